@@ -1,0 +1,75 @@
+"""``dplr::chunk_intra_fwd`` / ``dplr::chunk_intra_bwd``: gated q/k/a/b and the intra-chunk matrices.
+
+Outputs of the forward (see DESIGN.md §1): ``gl`` (per chunk slot, log2 units), ``A_qk``,
+``A_qb``, ``A_ak``, ``A_ab`` (``[B, T, H, C]``: row = token, column = position in its chunk),
+``qg``, ``kg``, ``ag``, ``bg``.  ``lower_bound`` (``-inf`` when undeclared) only lets a GPU
+kernel pick a faster exact scheme; the PyTorch kernel is exact for any gate.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+import torch
+
+from ..reference import intra as ref
+from .chunked import ChunkedView
+from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
+
+Tensors9 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("dplr::chunk_intra_fwd", mutates_args=())
+def chunk_intra_fwd(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
+                    scale: float, chunk_size: int, lower_bound: float) -> Tensors9:
+    outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
+    view = ChunkedView(q, cu_seqlens, chunk_size)
+    gl, *mats_and_gated = ref.intra_fwd(*map(view.read, (q, k, a, b, gk)), scale)
+    view.write_slots(outs[0], gl)
+    for out, x in zip(outs[1:], mats_and_gated):
+        view.write(out, x)
+    return outs
+
+
+@chunk_intra_fwd.register_fake
+def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
+    return allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
+
+
+@torch.library.custom_op("dplr::chunk_intra_bwd", mutates_args=())
+def chunk_intra_bwd(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
+                    dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
+                    dqg: Tensor, dkg: Tensor, dag: Tensor, dbg: Tensor,
+                    scale: float, chunk_size: int, lower_bound: float
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
+    view = ChunkedView(q, cu_seqlens, chunk_size)
+    inputs = map(view.read, (q, k, a, b, gk))
+    grads = map(view.read, (dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg))
+    res = ref.intra_bwd(*inputs, scale, *grads, view.read_slots(dgl))
+    for out, x in zip(outs, res):
+        view.write(out, x)
+    return outs
+
+
+@chunk_intra_bwd.register_fake
+def _(q, k, a, b, gk, cu_seqlens, *rest):
+    return allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound = inputs
+    ctx.save_for_backward(q, k, a, b, gk, cu_seqlens)
+    ctx.config = (scale, chunk_size, lower_bound)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, *grads):
+    q, k, a, b, gk, cu_seqlens = ctx.saved_tensors
+    scale, chunk_size, lower_bound = ctx.config
+    specs = intra_fwd_shapes(q, gk, cu_seqlens, chunk_size)
+    grads = zeros_for_missing(grads, specs, q.device)
+    dq, dk, da, db, dgk = torch.ops.dplr.chunk_intra_bwd(
+        q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size, lower_bound)
+    return dq, dk, da, db, dgk, None, None, None, None
+
+
+chunk_intra_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,109 @@
+"""``dplr::chunk_state_fwd`` / ``dplr::chunk_state_bwd``: the walk over chunks.
+
+The forward makes ``o`` and the final state in one sweep, and (when ``keep_activations``)
+the per-chunk start states ``h`` and ``v_new`` that the backward reads; without it those two
+are size-0 (a no-grad call writes nothing it does not need).  ``h`` and ``v_new`` are
+auxiliary outputs for the backward, marked non-differentiable.  The backward is one reverse
+sweep: ``dh`` (the gradient of the state at a chunk's end) is carried, never stored.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..reference import state as ref
+from .chunked import ChunkedView
+from .shapes import allocate, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
+
+
+def _start_state(state, use, like_shape, dtype, device):
+    return state.to(dtype) if use else torch.zeros(like_shape, dtype=dtype, device=device)
+
+
+@torch.library.custom_op("dplr::chunk_state_fwd", mutates_args=())
+def chunk_state_fwd(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v: Tensor,
+                    A_qk: Tensor, A_qb: Tensor, gl: Tensor, initial_state: Tensor,
+                    cu_seqlens: Tensor, chunk_size: int, use_initial_state: bool,
+                    keep_activations: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    o, ht, h, v_new = allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
+    view = ChunkedView(v, cu_seqlens, chunk_size)
+    chunks = map(view.read_padded, (qg, kg, bg, w, u, v, A_qk, A_qb))
+    h0 = _start_state(initial_state, use_initial_state, ht.shape, view.dtype, v.device)
+    o_c, h_end, h_all, vn = ref.state_fwd(view.layout.seq_slots, *chunks,
+                                          view.read_slots(gl, pad=True), h0, keep_activations)
+    view.write(o, o_c)
+    ht.copy_(h_end)
+    if keep_activations:
+        view.write_slots(h, h_all)
+        view.write(v_new, vn)
+    return o, ht, h, v_new
+
+
+@chunk_state_fwd.register_fake
+def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
+      use_initial_state, keep_activations):
+    return allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
+
+
+@torch.library.custom_op("dplr::chunk_state_bwd", mutates_args=())
+def chunk_state_bwd(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, v: Tensor, A_qk: Tensor,
+                    A_qb: Tensor, gl: Tensor, h: Tensor, v_new: Tensor, do: Tensor, dht: Tensor,
+                    initial_state: Tensor, cu_seqlens: Tensor, chunk_size: int,
+                    use_initial_state: bool, use_dht: bool
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                               Tensor, Tensor]:
+    outs = allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
+                                     use_initial_state), v.device)
+    view = ChunkedView(v, cu_seqlens, chunk_size)
+    chunks = map(view.read_padded, (qg, kg, bg, w, v, A_qk, A_qb))
+    B, H, K, V = qg.shape[0], qg.shape[2], qg.shape[3], v.shape[3]
+    N = B if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
+    dh_end = _start_state(dht, use_dht, (N, H, K, V), view.dtype, v.device)
+    res = ref.state_bwd(view.layout.seq_slots, *chunks, view.read_slots(gl, pad=True),
+                        view.read_slots(h, pad=True), view.read_padded(v_new),
+                        view.read_padded(do), dh_end)
+    *token_grads, dgl, dh0 = res
+    for out, x in zip(outs[:8], token_grads):
+        view.write(out, x)
+    view.write_slots(outs[8], dgl)
+    if use_initial_state:
+        outs[9].copy_(dh0)
+    return outs
+
+
+@chunk_state_bwd.register_fake
+def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens, chunk_size,
+      use_initial_state, use_dht):
+    return allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
+                                     use_initial_state), v.device)
+
+
+def _setup_context(ctx, inputs, output):
+    (qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
+     use_initial_state, keep_activations) = inputs
+    _, _, h, v_new = output
+    ctx.mark_non_differentiable(h, v_new)
+    ctx.save_for_backward(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, initial_state, cu_seqlens)
+    ctx.config = (chunk_size, use_initial_state, keep_activations)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, do, dht, dh_unused, dv_new_unused):
+    qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, initial_state, cu_seqlens = ctx.saved_tensors
+    chunk_size, use_initial_state, keep_activations = ctx.config
+    if not keep_activations:
+        raise RuntimeError("dplr::chunk_state_fwd ran with keep_activations=False; "
+                           "it cannot be differentiated")
+    (do,) = zeros_for_missing((do,), [(v.shape, v.dtype)], v.device)
+    use_dht = dht is not None
+    if dht is None:
+        dht = gl.new_zeros(0)
+    grads = torch.ops.dplr.chunk_state_bwd(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
+                                           initial_state, cu_seqlens, chunk_size,
+                                           use_initial_state, use_dht)
+    dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 = grads
+    return (dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 if use_initial_state else None,
+            None, None, None, None)
+
+
+chunk_state_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,64 @@
+"""``dplr::chunk_wy_fwd`` / ``dplr::chunk_wy_bwd``: A_ab_inv = (I - A_ab)^-1, w, u.
+
+``A_ab_inv`` is returned so the backward can reuse it; it is an auxiliary output for that
+purpose (not differentiable).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..reference import wy as ref
+from .chunked import ChunkedView
+from .shapes import allocate, wy_bwd_shapes, wy_fwd_shapes, zeros_for_missing
+
+
+@torch.library.custom_op("dplr::chunk_wy_fwd", mutates_args=())
+def chunk_wy_fwd(A_ab: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, cu_seqlens: Tensor,
+                 chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    outs = allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
+    view = ChunkedView(v, cu_seqlens, chunk_size)
+    for out, x in zip(outs, ref.wy_fwd(*map(view.read, (A_ab, A_ak, ag, v)))):
+        view.write(out, x)
+    return outs
+
+
+@chunk_wy_fwd.register_fake
+def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
+    return allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
+
+
+@torch.library.custom_op("dplr::chunk_wy_bwd", mutates_args=())
+def chunk_wy_bwd(A_ab_inv: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, dw: Tensor, du: Tensor,
+                 cu_seqlens: Tensor, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    outs = allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
+    view = ChunkedView(v, cu_seqlens, chunk_size)
+    res = ref.wy_bwd(*map(view.read, (A_ab_inv, A_ak, ag, v, dw, du)))
+    for out, x in zip(outs, res):
+        view.write(out, x)
+    return outs
+
+
+@chunk_wy_bwd.register_fake
+def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size):
+    return allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
+
+
+def _setup_context(ctx, inputs, output):
+    A_ab, A_ak, ag, v, cu_seqlens, chunk_size = inputs
+    A_ab_inv = output[0]
+    ctx.mark_non_differentiable(A_ab_inv)
+    ctx.save_for_backward(A_ab_inv, A_ak, ag, v, cu_seqlens)
+    ctx.chunk_size = chunk_size
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dA_ab_inv, dw, du):
+    A_ab_inv, A_ak, ag, v, cu_seqlens = ctx.saved_tensors
+    dw, du = zeros_for_missing((dw, du), wy_fwd_shapes(A_ab_inv, ag, v)[1:], v.device)
+    dA_ab, dA_ak, dag, dv = torch.ops.dplr.chunk_wy_bwd(
+        A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, ctx.chunk_size)
+    return dA_ab, dA_ak, dag, dv, None, None
+
+
+chunk_wy_fwd.register_autograd(_backward, setup_context=_setup_context)

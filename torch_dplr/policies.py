@@ -1,0 +1,76 @@
+"""Save-versus-recompute as selective-activation-checkpoint policies (DESIGN.md §3).
+
+Use with ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, context_fn=...)``,
+eagerly or inside ``torch.compile`` (compile the checkpointed function, not the reverse)::
+
+    from torch.utils.checkpoint import checkpoint
+    import torch_dplr
+
+    ctx_fn = torch_dplr.policies.context_fn("save_state")
+    y = checkpoint(block, x, use_reentrant=False, context_fn=ctx_fn)
+
+Shipped policies (``POLICIES``) name the ``dplr`` forward ops whose outputs are kept; every
+other ``dplr`` forward op in the checkpointed region is recomputed in the backward:
+
+- ``"recompute_all"``: keep nothing but the region's inputs; every stage runs again.
+- ``"save_state"``: keep the state pass (o, per-chunk states, v_new), recompute the cheap
+  intra-chunk and WY stages (FLA's default recompute trade).
+- ``"save_all"``: keep every stage; only the non-``dplr`` ops of the region are recomputed.
+
+Ops outside the ``dplr`` namespace are recomputed unless listed in ``extra_save_ops``
+(for example ``torch.ops.aten.mm.default`` to keep projections, as torchtitan does).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from . import ops
+
+FORWARD_OPS = frozenset(getattr(torch.ops.dplr, name).default for name in ops.FORWARD_OPS)
+
+POLICIES: dict[str, frozenset] = {
+    "recompute_all": frozenset(),
+    "save_state": frozenset({torch.ops.dplr.chunk_state_fwd.default}),
+    "save_all": FORWARD_OPS,
+}
+
+
+def _resolve(policy) -> frozenset:
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)} or a set of ops, got {policy!r}")
+        return POLICIES[policy]
+    return frozenset(policy)
+
+
+def recomputed_ops(policy) -> frozenset:
+    """The ``dplr`` forward ops a policy recomputes in the backward."""
+    return FORWARD_OPS - _resolve(policy)
+
+
+def policy_fn(policy="save_state", extra_save_ops: Iterable = ()) -> Callable:
+    """The per-op decision function for ``create_selective_checkpoint_contexts``."""
+    save = _resolve(policy) | frozenset(extra_save_ops)
+
+    def decide(ctx, op, *args, **kwargs):
+        if op in save:
+            return CheckpointPolicy.MUST_SAVE
+        if op in FORWARD_OPS:
+            # Forced: the min-cut partitioner would otherwise keep custom-op outputs.
+            return CheckpointPolicy.MUST_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
+
+
+def context_fn(policy="save_state", extra_save_ops: Iterable = ()) -> Callable:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    ``policy`` is a name from ``POLICIES`` or an iterable of ``dplr`` op overloads to keep.
+    """
+    return functools.partial(create_selective_checkpoint_contexts,
+                             policy_fn(policy, extra_save_ops))

@@ -1,0 +1,1 @@
+"""Plain-PyTorch stages: the CPU kernels, the oracle for GPU kernels, the fallback path."""
