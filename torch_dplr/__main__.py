@@ -1,0 +1,5 @@
+import sys
+
+from .selfcheck import main
+
+sys.exit(main())

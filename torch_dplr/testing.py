@@ -1,0 +1,85 @@
+"""Test helpers shared by tests/, compile_tests/, the self-check and the benchmarks.
+
+The oracle is the per-token recurrence in fp64, written here independently of the library's
+kernels, with gradients from ``torch.autograd``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+RWKV7_BOUND = -math.exp(-0.5)  # -0.6065...: RWKV-7's w = -exp(-0.5)·sigmoid(·)
+GATE_STYLES = ("rwkv7", "saturated", "unbounded")
+
+# RMS(out - ref) / RMS(ref) bars per input dtype: (outputs o and final state, gradients).
+TOLERANCES = {
+    torch.bfloat16: (0.007, 0.008),
+    torch.float16: (0.002, 0.002),
+    torch.float32: (2e-5, 5e-5),
+    torch.float64: (1e-10, 1e-10),
+}
+
+
+def rms_ratio(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``RMS(out - ref) / RMS(ref)`` in fp64 (0 when both are exactly zero)."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    denom = ref.pow(2).mean().sqrt().item()
+    err = (out - ref).pow(2).mean().sqrt().item()
+    return err / denom if denom > 0 else err
+
+
+def make_gates(shape, style: str, generator=None, device="cpu") -> torch.Tensor:
+    """Natural-log decays in fp32: RWKV-7 bounded, pinned at the bound, or unbounded logsigmoid."""
+    x = torch.randn(shape, generator=generator, device=device)
+    if style == "rwkv7":
+        return RWKV7_BOUND * torch.sigmoid(x)
+    if style == "saturated":
+        return torch.full(shape, RWKV7_BOUND, device=device)
+    if style == "unbounded":
+        # Heavy tail: some gates reach -40, so chunk-long cumsums span hundreds of e-folds.
+        return torch.nn.functional.logsigmoid(4 * x) * torch.where(x > 1.5, 3.0, 1.0)
+    raise ValueError(f"unknown gate style {style!r}; expected one of {GATE_STYLES}")
+
+
+def make_inputs(B, T, H, K, V=None, *, dtype=torch.float32, gates="rwkv7", seed=0,
+                device="cpu", num_states=None):
+    """RWKV-7-shaped inputs: q, k, v, a = -kk, b = kk·iclr, gk, initial_state.
+
+    ``num_states`` sets the initial state's batch (sequence count for varlen).
+    """
+    V = K if V is None else V
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    kk = torch.nn.functional.normalize(rand(B, T, H, K), dim=-1)
+    iclr = torch.sigmoid(rand(B, T, H, K))
+    tensors = dict(q=rand(B, T, H, K), k=rand(B, T, H, K) * K ** -0.5, v=rand(B, T, H, V),
+                   a=-kk, b=kk * iclr)
+    out = {n: x.to(device=device, dtype=dtype) for n, x in tensors.items()}
+    # Gates and state stay fp32 (as models keep them) unless everything is fp64.
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    out["gk"] = make_gates((B, T, H, K), gates, gen).to(device=device, dtype=wide)
+    out["initial_state"] = rand(num_states or B, H, K, V).to(device=device, dtype=wide)
+    return out
+
+
+def recurrence_oracle(q, k, v, a, b, gk, scale, initial_state=None, cu_seqlens=None):
+    """fp64 per-token recurrence; returns (o, final_state) differentiable w.r.t. the inputs."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, a, b, gk = (x.double() for x in (q, k, v, a, b, gk))
+    bounds = [(n, n * T, (n + 1) * T) for n in range(B)] if cu_seqlens is None else \
+        [(n, s, e) for n, (s, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))]
+    flat = [x.reshape(B * T, H, -1) for x in (q, k, v, a, b, gk)]
+    outs, finals = [None] * (B * T), []
+    for n, start, end in bounds:
+        S = initial_state[n].double() if initial_state is not None else \
+            q.new_zeros(H, K, V)
+        for t in range(start, end):
+            qt, kt, vt, at, bt, gt = (x[t] for x in flat)
+            S = torch.exp(gt)[..., None] * S + bt[..., None] * (at[..., None] * S).sum(-2, keepdim=True) \
+                + kt[..., None] * vt[:, None, :]
+            outs[t] = scale * (qt[..., None] * S).sum(-2)
+        finals.append(S)
+    o = torch.stack(outs).reshape(B, T, H, V) if outs else q.new_zeros(B, T, H, V)
+    return o, torch.stack(finals)
