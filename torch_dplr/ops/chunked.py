@@ -56,3 +56,8 @@ class SequenceView:
         out.view(self.num_tokens, *out.shape[2:]).index_copy_(
             0, self.index[self.valid], xs[self.valid].to(out.dtype))
         return out
+
+
+def start_state(state: torch.Tensor, present: bool, shape, dtype, device) -> torch.Tensor:
+    """A state input in the compute dtype, or zeros where its size-0 sentinel stands."""
+    return state.to(dtype) if present else torch.zeros(shape, dtype=dtype, device=device)

@@ -17,9 +17,8 @@ from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_miss
 Tensors9 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-@torch.library.custom_op("dplr::chunk_intra_fwd", mutates_args=())
-def chunk_intra_fwd(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
-                    scale: float, chunk_size: int, lower_bound: float) -> Tensors9:
+def chunk_intra_fwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
+                              scale: float, chunk_size: int, lower_bound: float) -> Tensors9:
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
     view = ChunkedView(q, cu_seqlens, chunk_size)
     gl, *mats_and_gated = ref.intra_fwd(*map(view.read, (q, k, a, b, gk)), scale)
@@ -29,17 +28,19 @@ def chunk_intra_fwd(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_s
     return outs
 
 
+chunk_intra_fwd = torch.library.custom_op("dplr::chunk_intra_fwd", mutates_args=())(chunk_intra_fwd_reference)
+
+
 @chunk_intra_fwd.register_fake
 def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
     return allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
 
 
-@torch.library.custom_op("dplr::chunk_intra_bwd", mutates_args=())
-def chunk_intra_bwd(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
-                    dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
-                    dqg: Tensor, dkg: Tensor, dag: Tensor, dbg: Tensor,
-                    scale: float, chunk_size: int, lower_bound: float
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def chunk_intra_bwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
+                              dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
+                              dqg: Tensor, dkg: Tensor, dag: Tensor, dbg: Tensor,
+                              scale: float, chunk_size: int, lower_bound: float
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
     view = ChunkedView(q, cu_seqlens, chunk_size)
     inputs = map(view.read, (q, k, a, b, gk))
@@ -48,6 +49,9 @@ def chunk_intra_bwd(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_s
     for out, x in zip(outs, res):
         view.write(out, x)
     return outs
+
+
+chunk_intra_bwd = torch.library.custom_op("dplr::chunk_intra_bwd", mutates_args=())(chunk_intra_bwd_reference)
 
 
 @chunk_intra_bwd.register_fake

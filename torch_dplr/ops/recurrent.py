@@ -5,25 +5,24 @@ import torch
 from torch import Tensor
 
 from ..reference import recurrent as ref
-from .chunked import SequenceView
+from .chunked import SequenceView, start_state
 from .shapes import allocate, recurrent_bwd_shapes, recurrent_fwd_shapes, zeros_for_missing
 
 
-def _start_state(state, use, shape, dtype, device):
-    return state.to(dtype) if use else torch.zeros(shape, dtype=dtype, device=device)
 
-
-@torch.library.custom_op("dplr::recurrent_fwd", mutates_args=())
-def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
-                  initial_state: Tensor, cu_seqlens: Tensor, scale: float,
-                  use_initial_state: bool, reverse: bool) -> tuple[Tensor, Tensor]:
+def recurrent_fwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
+                            initial_state: Tensor, cu_seqlens: Tensor, scale: float,
+                            use_initial_state: bool, reverse: bool) -> tuple[Tensor, Tensor]:
     o, ht = allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
     view = SequenceView(q, cu_seqlens, reverse)
-    h0 = _start_state(initial_state, use_initial_state, ht.shape, view.dtype, q.device)
+    h0 = start_state(initial_state, use_initial_state, ht.shape, view.dtype, q.device)
     o_seq, h_end = ref.recurrent_fwd(*map(view.read, (q, k, v, a, b, gk)), h0, scale)
     view.write(o, o_seq)
     ht.copy_(h_end)
     return o, ht
+
+
+recurrent_fwd = torch.library.custom_op("dplr::recurrent_fwd", mutates_args=())(recurrent_fwd_reference)
 
 
 @recurrent_fwd.register_fake
@@ -31,17 +30,16 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state, re
     return allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
 
 
-@torch.library.custom_op("dplr::recurrent_bwd", mutates_args=())
-def recurrent_bwd(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
-                  initial_state: Tensor, cu_seqlens: Tensor, do: Tensor, dht: Tensor,
-                  scale: float, use_initial_state: bool, use_dht: bool, reverse: bool
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def recurrent_bwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
+                            initial_state: Tensor, cu_seqlens: Tensor, do: Tensor, dht: Tensor,
+                            scale: float, use_initial_state: bool, use_dht: bool, reverse: bool
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     outs = allocate(recurrent_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state),
                     q.device)
     view = SequenceView(q, cu_seqlens, reverse)
     state_shape = recurrent_fwd_shapes(q, v, cu_seqlens)[1][0]
-    h0 = _start_state(initial_state, use_initial_state, state_shape, view.dtype, q.device)
-    dh_end = _start_state(dht, use_dht, state_shape, view.dtype, q.device)
+    h0 = start_state(initial_state, use_initial_state, state_shape, view.dtype, q.device)
+    dh_end = start_state(dht, use_dht, state_shape, view.dtype, q.device)
     *grads, dh0 = ref.recurrent_bwd(*map(view.read, (q, k, v, a, b, gk)), h0, scale,
                                     view.read(do), dh_end)
     for out, x in zip(outs[:6], grads):
@@ -49,6 +47,9 @@ def recurrent_bwd(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Ten
     if use_initial_state:
         outs[6].copy_(dh0)
     return outs
+
+
+recurrent_bwd = torch.library.custom_op("dplr::recurrent_bwd", mutates_args=())(recurrent_bwd_reference)
 
 
 @recurrent_bwd.register_fake

@@ -12,23 +12,19 @@ import torch
 from torch import Tensor
 
 from ..reference import state as ref
-from .chunked import ChunkedView
+from .chunked import ChunkedView, start_state
 from .shapes import allocate, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
 
 
-def _start_state(state, use, like_shape, dtype, device):
-    return state.to(dtype) if use else torch.zeros(like_shape, dtype=dtype, device=device)
 
-
-@torch.library.custom_op("dplr::chunk_state_fwd", mutates_args=())
-def chunk_state_fwd(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v: Tensor,
-                    A_qk: Tensor, A_qb: Tensor, gl: Tensor, initial_state: Tensor,
-                    cu_seqlens: Tensor, chunk_size: int, use_initial_state: bool,
-                    keep_activations: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def chunk_state_fwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v: Tensor,
+                              A_qk: Tensor, A_qb: Tensor, gl: Tensor, initial_state: Tensor,
+                              cu_seqlens: Tensor, chunk_size: int, use_initial_state: bool,
+                              keep_activations: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o, ht, h, v_new = allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
     view = ChunkedView(v, cu_seqlens, chunk_size)
     chunks = map(view.read_padded, (qg, kg, bg, w, u, v, A_qk, A_qb))
-    h0 = _start_state(initial_state, use_initial_state, ht.shape, view.dtype, v.device)
+    h0 = start_state(initial_state, use_initial_state, ht.shape, view.dtype, v.device)
     o_c, h_end, h_all, vn = ref.state_fwd(view.layout.seq_slots, *chunks,
                                           view.read_slots(gl, pad=True), h0, keep_activations)
     view.write(o, o_c)
@@ -39,26 +35,28 @@ def chunk_state_fwd(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v:
     return o, ht, h, v_new
 
 
+chunk_state_fwd = torch.library.custom_op("dplr::chunk_state_fwd", mutates_args=())(chunk_state_fwd_reference)
+
+
 @chunk_state_fwd.register_fake
 def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
       use_initial_state, keep_activations):
     return allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
 
 
-@torch.library.custom_op("dplr::chunk_state_bwd", mutates_args=())
-def chunk_state_bwd(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, v: Tensor, A_qk: Tensor,
-                    A_qb: Tensor, gl: Tensor, h: Tensor, v_new: Tensor, do: Tensor, dht: Tensor,
-                    initial_state: Tensor, cu_seqlens: Tensor, chunk_size: int,
-                    use_initial_state: bool, use_dht: bool
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                               Tensor, Tensor]:
+def chunk_state_bwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, v: Tensor, A_qk: Tensor,
+                              A_qb: Tensor, gl: Tensor, h: Tensor, v_new: Tensor, do: Tensor, dht: Tensor,
+                              initial_state: Tensor, cu_seqlens: Tensor, chunk_size: int,
+                              use_initial_state: bool, use_dht: bool
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                         Tensor, Tensor]:
     outs = allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
                                      use_initial_state), v.device)
     view = ChunkedView(v, cu_seqlens, chunk_size)
     chunks = map(view.read_padded, (qg, kg, bg, w, v, A_qk, A_qb))
     B, H, K, V = qg.shape[0], qg.shape[2], qg.shape[3], v.shape[3]
     N = B if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
-    dh_end = _start_state(dht, use_dht, (N, H, K, V), view.dtype, v.device)
+    dh_end = start_state(dht, use_dht, (N, H, K, V), view.dtype, v.device)
     res = ref.state_bwd(view.layout.seq_slots, *chunks, view.read_slots(gl, pad=True),
                         view.read_slots(h, pad=True), view.read_padded(v_new),
                         view.read_padded(do), dh_end)
@@ -69,6 +67,9 @@ def chunk_state_bwd(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, v: Tensor, A_
     if use_initial_state:
         outs[9].copy_(dh0)
     return outs
+
+
+chunk_state_bwd = torch.library.custom_op("dplr::chunk_state_bwd", mutates_args=())(chunk_state_bwd_reference)
 
 
 @chunk_state_bwd.register_fake

@@ -13,9 +13,8 @@ from .chunked import ChunkedView
 from .shapes import allocate, wy_bwd_shapes, wy_fwd_shapes, zeros_for_missing
 
 
-@torch.library.custom_op("dplr::chunk_wy_fwd", mutates_args=())
-def chunk_wy_fwd(A_ab: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, cu_seqlens: Tensor,
-                 chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def chunk_wy_fwd_reference(A_ab: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, cu_seqlens: Tensor,
+                           chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
     outs = allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
     view = ChunkedView(v, cu_seqlens, chunk_size)
     for out, x in zip(outs, ref.wy_fwd(*map(view.read, (A_ab, A_ak, ag, v)))):
@@ -23,20 +22,25 @@ def chunk_wy_fwd(A_ab: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, cu_seqlens: 
     return outs
 
 
+chunk_wy_fwd = torch.library.custom_op("dplr::chunk_wy_fwd", mutates_args=())(chunk_wy_fwd_reference)
+
+
 @chunk_wy_fwd.register_fake
 def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
     return allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
 
 
-@torch.library.custom_op("dplr::chunk_wy_bwd", mutates_args=())
-def chunk_wy_bwd(A_ab_inv: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, dw: Tensor, du: Tensor,
-                 cu_seqlens: Tensor, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def chunk_wy_bwd_reference(A_ab_inv: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, dw: Tensor, du: Tensor,
+                           cu_seqlens: Tensor, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     outs = allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
     view = ChunkedView(v, cu_seqlens, chunk_size)
     res = ref.wy_bwd(*map(view.read, (A_ab_inv, A_ak, ag, v, dw, du)))
     for out, x in zip(outs, res):
         view.write(out, x)
     return outs
+
+
+chunk_wy_bwd = torch.library.custom_op("dplr::chunk_wy_bwd", mutates_args=())(chunk_wy_bwd_reference)
 
 
 @chunk_wy_bwd.register_fake
