@@ -39,12 +39,28 @@ POLICIES: dict[str, frozenset] = {
 }
 
 
+def _as_overload(op):
+    """``torch.ops.dplr.x``, ``torch.ops.dplr.x.default`` or ``"dplr::x"`` -> the overload."""
+    if isinstance(op, str):
+        namespace, _, name = op.rpartition("::")
+        try:
+            op = getattr(getattr(torch.ops, namespace or "dplr"), name)
+        except AttributeError:
+            raise ValueError(f"unknown op {op!r} in a checkpoint policy") from None
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    if not isinstance(op, torch._ops.OpOverload):
+        raise TypeError(f"checkpoint policies take ops (e.g. torch.ops.dplr.chunk_state_fwd), "
+                        f"got {type(op).__name__}")
+    return op
+
+
 def _resolve(policy) -> frozenset:
     if isinstance(policy, str):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)} or a set of ops, got {policy!r}")
         return POLICIES[policy]
-    return frozenset(policy)
+    return frozenset(map(_as_overload, policy))
 
 
 def recomputed_ops(policy) -> frozenset:
@@ -54,7 +70,7 @@ def recomputed_ops(policy) -> frozenset:
 
 def policy_fn(policy="save_state", extra_save_ops: Iterable = ()) -> Callable:
     """The per-op decision function for ``create_selective_checkpoint_contexts``."""
-    save = _resolve(policy) | frozenset(extra_save_ops)
+    save = _resolve(policy) | frozenset(map(_as_overload, extra_save_ops))
 
     def decide(ctx, op, *args, **kwargs):
         if op in save:

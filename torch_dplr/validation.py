@@ -59,7 +59,8 @@ def check_inputs(tensors: Mapping[str, torch.Tensor], *, gate: str, value: str, 
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
+        # (Dynamo may hand a symbolic float here; its value is only checked eagerly.)
+        if not torch.compiler.is_compiling() and not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
     if chunk_size is not None and chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNK_SIZES}, got {chunk_size!r}")

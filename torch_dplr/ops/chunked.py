@@ -1,6 +1,9 @@
 """Glue between the ops' ``[B, T, H, D]`` tensors and the reference stages' chunk-major layout."""
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from ..reference.layout import chunk_layout, sequence_index
@@ -61,3 +64,17 @@ class SequenceView:
 def start_state(state: torch.Tensor, present: bool, shape, dtype, device) -> torch.Tensor:
     """A state input in the compute dtype, or zeros where its size-0 sentinel stands."""
     return state.to(dtype) if present else torch.zeros(shape, dtype=dtype, device=device)
+
+
+def without_autocast(kernel):
+    """Op bodies compute in their own dtypes: a caller's autocast must not reach inside."""
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        active = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not active:
+            return kernel(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device_type in active:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            return kernel(*args, **kwargs)
+    return run

@@ -5,18 +5,18 @@ Outputs of the forward (see DESIGN.md §1): ``gl`` (per chunk slot, log2 units),
 ``qg``, ``kg``, ``ag``, ``bg``.  ``lower_bound`` (``-inf`` when undeclared) only lets a GPU
 kernel pick a faster exact scheme; the PyTorch kernel is exact for any gate.
 """
-from __future__ import annotations
 
 from torch import Tensor
 import torch
 
 from ..reference import intra as ref
-from .chunked import ChunkedView
+from .chunked import ChunkedView, without_autocast
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
 
 Tensors9 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
+@without_autocast
 def chunk_intra_fwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
                               scale: float, chunk_size: int, lower_bound: float) -> Tensors9:
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
@@ -36,6 +36,7 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
     return allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
 
 
+@without_autocast
 def chunk_intra_bwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
                               dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
                               dqg: Tensor, dkg: Tensor, dag: Tensor, dbg: Tensor,

@@ -1,15 +1,15 @@
 """``dplr::recurrent_fwd`` / ``dplr::recurrent_bwd``: the per-token recurrence (decode, short T)."""
-from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from ..reference import recurrent as ref
-from .chunked import SequenceView, start_state
+from .chunked import SequenceView, start_state, without_autocast
 from .shapes import allocate, recurrent_bwd_shapes, recurrent_fwd_shapes, zeros_for_missing
 
 
 
+@without_autocast
 def recurrent_fwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
                             initial_state: Tensor, cu_seqlens: Tensor, scale: float,
                             use_initial_state: bool, reverse: bool) -> tuple[Tensor, Tensor]:
@@ -30,6 +30,7 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state, re
     return allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
 
 
+@without_autocast
 def recurrent_bwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
                             initial_state: Tensor, cu_seqlens: Tensor, do: Tensor, dht: Tensor,
                             scale: float, use_initial_state: bool, use_dht: bool, reverse: bool

@@ -6,17 +6,17 @@ are size-0 (a no-grad call writes nothing it does not need).  ``h`` and ``v_new`
 auxiliary outputs for the backward, marked non-differentiable.  The backward is one reverse
 sweep: ``dh`` (the gradient of the state at a chunk's end) is carried, never stored.
 """
-from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from ..reference import state as ref
-from .chunked import ChunkedView, start_state
+from .chunked import ChunkedView, start_state, without_autocast
 from .shapes import allocate, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
 
 
 
+@without_autocast
 def chunk_state_fwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v: Tensor,
                               A_qk: Tensor, A_qb: Tensor, gl: Tensor, initial_state: Tensor,
                               cu_seqlens: Tensor, chunk_size: int, use_initial_state: bool,
@@ -44,6 +44,7 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
     return allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
 
 
+@without_autocast
 def chunk_state_bwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, v: Tensor, A_qk: Tensor,
                               A_qb: Tensor, gl: Tensor, h: Tensor, v_new: Tensor, do: Tensor, dht: Tensor,
                               initial_state: Tensor, cu_seqlens: Tensor, chunk_size: int,

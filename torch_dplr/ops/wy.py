@@ -3,16 +3,17 @@
 ``A_ab_inv`` is returned so the backward can reuse it; it is an auxiliary output for that
 purpose (not differentiable).
 """
-from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from ..reference import wy as ref
-from .chunked import ChunkedView
-from .shapes import allocate, wy_bwd_shapes, wy_fwd_shapes, zeros_for_missing
+from .chunked import ChunkedView, without_autocast
+from .shapes import acc_dtype, allocate, wy_bwd_shapes, wy_fwd_shapes, zeros_for_missing
+from .tilelang_path import CHUNK_SIZES, KERNEL_DTYPES, head_dims_ok, tilelang_usable
 
 
+@without_autocast
 def chunk_wy_fwd_reference(A_ab: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, cu_seqlens: Tensor,
                            chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
     outs = allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
@@ -30,6 +31,22 @@ def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
     return allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
 
 
+@chunk_wy_fwd.register_kernel("cuda")
+@without_autocast
+def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
+    K, V = ag.shape[-1], v.shape[-1]
+    if not (cu_seqlens.numel() == 0 and chunk_size in CHUNK_SIZES and ag.dtype in KERNEL_DTYPES
+            and head_dims_ok(K, V)
+            and A_ab.dtype == acc_dtype(ag.dtype) and tilelang_usable(v.device)):
+        return chunk_wy_fwd_reference(A_ab, A_ak, ag, v, cu_seqlens, chunk_size)
+    from csrc_tl import build, wy_fwd
+    outs = allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
+    kernel = build(wy_fwd.wy_fwd_kernel, C=chunk_size, K=K, V=V, dtype=ag.dtype)
+    kernel(A_ab.contiguous(), A_ak.contiguous(), ag.contiguous(), v.contiguous(), *outs)
+    return outs
+
+
+@without_autocast
 def chunk_wy_bwd_reference(A_ab_inv: Tensor, A_ak: Tensor, ag: Tensor, v: Tensor, dw: Tensor, du: Tensor,
                            cu_seqlens: Tensor, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     outs = allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
