@@ -1,0 +1,511 @@
+"""Intra-chunk stage forward (``dplr::chunk_intra_fwd``): gate cumsum, gated q/k/a/b and the
+four C x C intra-chunk matrices, in one kernel.
+
+Contract: :func:`torch_dplr.ops.intra.chunk_intra_fwd_reference` (math in
+``torch_dplr/reference/intra.py``, DESIGN.md section 1). Per chunk of C rows, in log2 units:
+
+    gi = log2e * cumsum(gk)     ge_i = gi_{i-1} (ge_0 = 0)     gl = gi[last row]
+    A_qk[i,j] = scale sum_k q_ik k_jk 2^(gi_ik - gi_jk)   j <= i     (A_qb: b instead of k)
+    A_ak[i,j] =       sum_k a_ik k_jk 2^(ge_ik - gi_jk)   j <  i     (A_ab: b instead of k)
+    qg = scale q 2^gi   kg = k 2^(gl - gi)   ag = a 2^ge   bg = b 2^(gl - gi)
+
+Entries above the mask are written as 0. Rows past a sequence's end are zero inputs (gate 0,
+so gi stays at the last real row and ``gl`` is gi of the last real row) and are never written.
+
+Grid and layout
+---------------
+One CTA per (chunk slot, head, batch): ``T.Kernel(slots, H, B)``; slots go on grid x, the
+only grid dimension without the 65535 limit (varlen at C = 16 reaches it near 1M tokens).
+Rect: slot c starts at token ``c * C``; varlen (B == 1): slot c starts at ``chunk_start[c]``
+and has ``chunk_len[c]`` rows (0 for the unused trailing slots, which only write ``gl = 0``),
+the tables of :func:`torch_dplr.ops.varlen.varlen_chunk_tables`. B, T, H and the slot count
+are symbolic.
+
+Every per-column quantity (cumsum, gated outputs, exponent factors) is independent across the
+K columns, so the kernel walks K in blocks of BK columns: per block it scans the gates
+(two-level parallel scan: BK columns x threads/BK row segments), writes gl and the gated
+outputs, builds the GEMM operands in shared memory and accumulates the C x C products in
+fp32 fragments, which are masked and written once after the last block.
+
+Two exact schemes for the decay factor 2^(gi_i - gi_j)
+-----------------------------------------------------
+``scheme="centred"`` (gates with a declared lower bound, see :func:`centred_is_safe`):
+factor through the gate at a centre row m = C/2 - 1, ``2^(gi_i - c) * 2^(c - gi_j)``, so each
+matrix is ONE GEMM over K of ``q 2^(gi - c)`` (or ``a 2^(ge - c)``) with ``k 2^(c - gi)``
+(or b). The largest positive exponent is (C/2) * |lower_bound| * log2e (28 for RWKV-7 at
+C = 64); entries above the diagonal may overflow in the fragment and are discarded by the
+mask (a select, so an inf never reaches an output).
+
+``scheme="tiled"`` (any gate): two-level tiling with 16-row sub-blocks. For the column block J
+(columns 16J..16J+15) and rows i of later sub-blocks, factor through e_J = gi at row 16J+15:
+``q_i 2^(gi_i - e_J) * k_j 2^(e_J - gi_j)``, both exponents <= 0, one GEMM of M = C, N = 16
+per (J, matrix); rows of sub-blocks <= J are zero in that operand, which is rebuilt for each
+J from the raw q / a tiles in shared memory. The 16 x 16 diagonal sub-blocks run on CUDA
+cores, thread = (row i, K-slice): the row's own 8-row half uses exact pairwise exponents
+(clamped at 0; entries past the mask are discarded), and a second-half row sees the first
+half factored through that half's last row b, ``(q_i 2^(gi_i - gi_b)) (k_j 2^(gi_b - gi_j))``,
+again both <= 0, which halves the exp2 count. The K-slices are summed through shared memory
+at the end. Every exp2 argument of this scheme is <= 0, for any gate.
+
+GEMM operands are fp32 in shared memory, rounded to tf32 (round-to-nearest) when written, and
+multiplied with tf32 tensor-core MMAs: 2^-11 relative per operand for both bf16 and fp16
+inputs, and no fp16 range issue for the centred operands (DESIGN.md section 6).
+
+Shared memory (TileLang overlaps buffers by liveness): centred, BK = 64, C = 64: gates 16 KB
++ four fp32 operands 64 KB = 82 KB; tiled, BK = 32, C = 64: seven padded fp32 C x (BK + 1)
+tiles (gates, q, a, k, b and the factored k, b) 59 KB + four C x BK operands 32 KB = 92 KB.
+Both fit 2 CTAs per SM (registers: ~200 / ~225 per thread at 128 threads). No TMA (with
+symbolic shapes its descriptors would be encoded on the host every launch) and no async
+copies: latency is hidden by the second CTA and the unrolled, batched loads.
+
+Signature (call ``kernel(*inputs, *outputs)``, nothing returned)::
+
+    intra_fwd(q, k, a, b, gk, [chunk_start, chunk_len,] scale,
+              gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg)
+
+q, k, a, b [B, T, H, K] dtype; gk [B, T, H, K] gate_dtype; chunk tables int32 [slots]
+(varlen only); scale a float; gl [B, slots, H, K] fp32; A_qk, A_qb [B, T, H, C] dtype;
+A_ak, A_ab [B, T, H, C] fp32; qg, kg, ag, bg [B, T, H, K] dtype.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
+# must see the factory's locals (K, dtype, ...) at definition time.
+import itertools
+import math
+
+import tilelang.language as T
+
+from .compile import canonical_dtype, kernel_options
+
+__all__ = [
+    "intra_fwd_kernel",
+    "centred_is_safe",
+    "scheme_for",
+    "variants",
+    "ref_program",
+    "CHUNK_SIZES",
+    "HEAD_DIMS",
+    "DTYPES",
+    "SCHEMES",
+]
+
+CHUNK_SIZES = (16, 32, 64)
+HEAD_DIMS = (64, 128)
+DTYPES = ("bfloat16", "float16")
+SCHEMES = ("centred", "tiled")
+
+LOG2E = 1.4426950408889634
+#: Largest positive exponent the centred scheme may produce, (C/2) * |lower_bound| * log2e.
+#: 2^100 leaves ~2^27 of fp32 range for the operand magnitudes (|q|, |k|, ... < 1e8).
+CENTRED_MAX_EXPONENT = 100.0
+
+_SUB = 16  # sub-block size of the tiled scheme (one mma tile)
+_HALF = _SUB // 2
+_ACC = "float32"
+
+
+def centred_is_safe(chunk_size: int, lower_bound: float | None) -> bool:
+    """True when a declared gate lower bound licenses the centred scheme at this chunk size.
+
+    >>> centred_is_safe(64, -math.exp(-0.5))   # RWKV-7: largest exponent ~28
+    True
+    >>> centred_is_safe(64, -5.0), centred_is_safe(16, -5.0)
+    (False, True)
+    """
+    if lower_bound is None or not math.isfinite(lower_bound):
+        return False
+    return (chunk_size // 2) * abs(lower_bound) * LOG2E <= CENTRED_MAX_EXPONENT
+
+
+def scheme_for(chunk_size: int, lower_bound: float | None) -> str:
+    """The scheme a dispatcher should build for this chunk size and declared bound."""
+    return "centred" if centred_is_safe(chunk_size, lower_bound) else "tiled"
+
+
+def _default_threads(C: int) -> int:
+    # C = 16: a 16 x 16 GEMM splits over at most two warps (m16n8 tiles).
+    return 64 if C == 16 else 128
+
+
+def _default_block_k(C: int, K: int, scheme: str) -> int:
+    # centred: four fp32 operands of C x BK (64 KB at C = 64, BK = 64); C = 16 runs 64 threads,
+    # fewer columns each. tiled: seven padded fp32 C x (BK + 1) tiles plus four C x BK
+    # operands, 92 KB at C = 64, BK = 32.
+    return min(K, 64 if scheme == "centred" and C > 16 else 32)
+
+
+def _tf32(x):
+    """Round an fp32 value to tf32 (10 explicit mantissa bits, nearest, ties away from 0)."""
+    bits = T.reinterpret(x, "uint32")
+    return T.reinterpret((bits + T.uint32(0x1000)) & T.uint32(0xFFFFE000), _ACC)
+
+
+@kernel_options(pass_configs=None)
+def intra_fwd_kernel(
+    C: int,
+    K: int,
+    dtype: str,
+    scheme: str = "tiled",
+    varlen: bool = False,
+    gate_dtype: str = "float32",
+    threads: int = 0,
+    block_k: int = 0,
+):
+    """prim_func ``intra_fwd(...)`` for one config (see the module docstring for the signature).
+
+    C: chunk size (16, 32, 64); K: head dim (multiple of 16, <= 256); dtype: dtype of q, k, a,
+    b and of A_qk, A_qb, qg, kg, ag, bg (bf16 / fp16); scheme: "centred" (needs a lower bound,
+    :func:`scheme_for`) or "tiled" (any gate); varlen: read chunk_start / chunk_len tables;
+    gate_dtype: dtype of gk (fp32 or dtype). Schedule knobs (same results): threads (0 picks
+    the default), block_k (K columns per block, 0 picks the default).
+    """
+    dtype = canonical_dtype(dtype)
+    gate_dtype = canonical_dtype(gate_dtype)
+    if C not in CHUNK_SIZES:
+        raise ValueError(f"chunk size C={C} not in {CHUNK_SIZES}")
+    if K % 16 or not 16 <= K <= 256:
+        raise ValueError(f"K={K}: need a multiple of 16 in [16, 256]")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype} not in {DTYPES}")
+    if gate_dtype not in (_ACC, dtype):
+        raise ValueError(f"gate_dtype={gate_dtype}: must be float32 or the input dtype {dtype}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r} not in {SCHEMES}")
+    threads = threads or _default_threads(C)
+    BK = block_k or _default_block_k(C, K, scheme)
+    if K % BK or BK % 8:
+        raise ValueError(f"block_k={BK} must divide K={K} and be a multiple of 8")
+    if threads % 32 or threads % BK or threads < BK:
+        raise ValueError(f"threads={threads}: need a multiple of 32 and of block_k={BK}")
+    if threads % C:
+        raise ValueError(f"threads={threads} must be a multiple of C={C}")
+
+    centred = scheme == "centred"
+    nb = C // _SUB  # sub-blocks per chunk
+    NSEG = threads // BK  # row segments of the gate scan
+    if C % NSEG:
+        raise ValueError(f"threads/block_k={NSEG} must divide C={C}")
+    SL = C // NSEG  # rows per scan segment
+    S = threads // C  # K-slices of the diagonal sub-block work (tiled)
+    if not centred and (BK % S or _SUB % S):
+        raise ValueError(f"threads/C={S} must divide block_k={BK} and {_SUB}")
+    KS = BK // S
+    JS = _SUB // S
+    mid = C // 2 - 1  # centre row
+    n_kb = K // BK
+    f32 = _ACC
+    # Python tuples: the TileLang frontend unrolls loops over them while building the IR
+    # (a `for ... in range(...)` inside a macro becomes a device loop).
+    OFF_BLOCKS = tuple(range(nb - 1))  # column blocks with an off-diagonal GEMM
+    ALL_BLOCKS = tuple(range(nb))
+    MATS = (0, 1, 2, 3)  # A_qk, A_qb, A_ak, A_ab
+
+    B, Tn, H, NS = T.dynamic("B, T, H, NS")
+
+    @T.macro
+    def body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L):
+        tx = T.get_thread_binding()
+        # gates -> gi (log2). Tiled: padded rows, the diagonal work reads it down columns.
+        # Centred: unpadded, so that the element-wise passes vectorize their global accesses.
+        G = T.alloc_shared((C, BK + (0 if centred else 1)), f32)
+        if NSEG > 1:
+            Tot = T.alloc_shared((NSEG, BK), f32)
+        run = T.alloc_local((1,), f32)
+        if centred:
+            Qc = T.alloc_shared((C, BK), f32)
+            Ac = T.alloc_shared((C, BK), f32)
+            Kc = T.alloc_shared((C, BK), f32)
+            Bc = T.alloc_shared((C, BK), f32)
+            F_qk = T.alloc_fragment((C, C), f32)
+            F_qb = T.alloc_fragment((C, C), f32)
+            F_ak = T.alloc_fragment((C, C), f32)
+            F_ab = T.alloc_fragment((C, C), f32)
+            T.clear(F_qk)
+            T.clear(F_qb)
+            T.clear(F_ak)
+            T.clear(F_ab)
+        else:
+            # off-diagonal operands of the current column block J (built one J at a time):
+            # X / Y q- / a-side rows of sub-blocks > J; Kr / Br k- / b-side factored to the
+            # end of their own sub-block.
+            if nb > 1:
+                X = T.alloc_shared((C, BK), f32)
+                Y = T.alloc_shared((C, BK), f32)
+                Kr = T.alloc_shared((C, BK), f32)
+                Br = T.alloc_shared((C, BK), f32)
+            F = [[T.alloc_fragment((C, _SUB), f32) for _ in range(4)] for _ in range(nb - 1)]
+            for J in OFF_BLOCKS:
+                for m in MATS:
+                    T.clear(F[J][m])
+            # raw q, a, k, b and the k / b of first halves factored to the half's end (kF, bF);
+            # padded rows: the diagonal work reads them down columns without bank conflicts
+            qS = T.alloc_shared((C, BK + 1), f32)
+            aS = T.alloc_shared((C, BK + 1), f32)
+            kS = T.alloc_shared((C, BK + 1), f32)
+            bS = T.alloc_shared((C, BK + 1), f32)
+            kF = T.alloc_shared((C, BK + 1), f32)
+            bF = T.alloc_shared((C, BK + 1), f32)
+            accE = T.alloc_local((4 * _HALF,), f32)  # own half, exact exponents
+            accF = T.alloc_local((4 * _HALF,), f32)  # first half seen from the second
+            w = T.alloc_local((2,), f32)
+            for u in T.unroll(4 * _HALF):
+                accE[u] = T.float32(0)
+                accF[u] = T.float32(0)
+
+        for kb in T.serial(n_kb):
+            k0 = kb * BK
+            # ---- gates: load (log2 units), then scan down the rows ----
+            for r, c in T.Parallel(C, BK):
+                G[r, c] = T.if_then_else(r < L, T.Cast(f32, gk[i_b, t0 + r, i_h, k0 + c]), T.float32(0)) * LOG2E
+            T.sync_threads()
+            col = tx % BK
+            seg = tx // BK
+            run[0] = T.float32(0)
+            for r in T.unroll(SL):
+                run[0] = run[0] + G[seg * SL + r, col]
+                G[seg * SL + r, col] = run[0]
+            if NSEG > 1:
+                Tot[seg, col] = run[0]
+                T.sync_threads()
+                run[0] = T.float32(0)
+                for p in T.unroll(NSEG - 1):
+                    if p < seg:
+                        run[0] = run[0] + Tot[p, col]
+                for r in T.unroll(SL):
+                    G[seg * SL + r, col] = G[seg * SL + r, col] + run[0]
+            T.sync_threads()
+
+            for c in T.Parallel(BK):
+                gl[i_b, i_c, i_h, k0 + c] = G[C - 1, c]
+
+            # ---- q side: qg and the q operands ----
+            for r, c in T.Parallel(C, BK):
+                qv = T.if_then_else(r < L, T.Cast(f32, q[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
+                gi = G[r, c]
+                if r < L:
+                    qg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, qv * scale * T.exp2(gi))
+                if centred:
+                    Qc[r, c] = _tf32(qv * T.exp2(gi - G[mid, c]))
+                else:
+                    qS[r, c] = qv
+            # ---- a side: ge_i = gi_{i-1} ----
+            for r, c in T.Parallel(C, BK):
+                av = T.if_then_else(r < L, T.Cast(f32, a[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
+                ge = T.if_then_else(r > 0, G[r - 1, c], T.float32(0))
+                if r < L:
+                    ag[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, av * T.exp2(ge))
+                if centred:
+                    Ac[r, c] = _tf32(av * T.exp2(ge - G[mid, c]))
+                else:
+                    aS[r, c] = av
+            # ---- k / b side ----
+            for r, c in T.Parallel(C, BK):
+                kv = T.if_then_else(r < L, T.Cast(f32, k[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
+                bv = T.if_then_else(r < L, T.Cast(f32, b[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
+                gi = G[r, c]
+                to_end = T.exp2(G[C - 1, c] - gi)
+                if r < L:
+                    kg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, kv * to_end)
+                    bg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, bv * to_end)
+                if centred:
+                    f = T.exp2(G[mid, c] - gi)
+                    Kc[r, c] = _tf32(kv * f)
+                    Bc[r, c] = _tf32(bv * f)
+                else:
+                    kS[r, c] = kv
+                    bS[r, c] = bv
+                    if nb > 1:
+                        f = T.exp2(G[(r // _SUB) * _SUB + _SUB - 1, c] - gi)
+                        Kr[r, c] = _tf32(kv * f)
+                        Br[r, c] = _tf32(bv * f)
+                    if r % _SUB < _HALF:
+                        f = T.exp2(G[(r // _SUB) * _SUB + _HALF - 1, c] - gi)
+                        kF[r, c] = kv * f
+                        bF[r, c] = bv * f
+            T.sync_threads()
+
+            # ---- tensor-core products ----
+            if centred:
+                T.gemm(Qc, Kc, F_qk, transpose_B=True)
+                T.gemm(Qc, Bc, F_qb, transpose_B=True)
+                T.gemm(Ac, Kc, F_ak, transpose_B=True)
+                T.gemm(Ac, Bc, F_ab, transpose_B=True)
+            else:
+                for J in OFF_BLOCKS:
+                    # rows of sub-blocks > J factored through e_J = gi at row 16J + 15
+                    e_row = J * _SUB + _SUB - 1
+                    for r, c in T.Parallel(C, BK):
+                        if r // _SUB > J:
+                            X[r, c] = _tf32(qS[r, c] * T.exp2(G[r, c] - G[e_row, c]))
+                            Y[r, c] = _tf32(aS[r, c] * T.exp2(G[r - 1, c] - G[e_row, c]))
+                        else:
+                            X[r, c] = T.float32(0)
+                            Y[r, c] = T.float32(0)
+                    T.sync_threads()
+                    rows = slice(J * _SUB, (J + 1) * _SUB)
+                    T.gemm(X, Kr[rows, :], F[J][0], transpose_B=True)
+                    T.gemm(X, Br[rows, :], F[J][1], transpose_B=True)
+                    T.gemm(Y, Kr[rows, :], F[J][2], transpose_B=True)
+                    T.gemm(Y, Br[rows, :], F[J][3], transpose_B=True)
+                    T.sync_threads()
+                # ---- diagonal sub-blocks, thread = (row i, K-slice s) ----
+                # own half (columns 8h..8h+7 of the sub-block): exact pairwise exponents;
+                # second-half rows also see the first half, factored through its last row
+                # (q_i 2^(gi_i - gi_b)) (k_j 2^(gi_b - gi_j)), both exponents <= 0.
+                i = tx % C
+                s = tx // C
+                j0 = (i // _SUB) * _SUB
+                h = (i % _SUB) // _HALF
+                jE = j0 + h * _HALF
+                for m in T.serial(KS):
+                    c = s * KS + m
+                    g_i = G[i, c]
+                    g_e = T.if_then_else(i > 0, G[T.max(i - 1, 0), c], T.float32(0))
+                    q_i = qS[i, c]
+                    a_i = aS[i, c]
+                    for jj in T.unroll(_HALF):
+                        g_j = G[jE + jj, c]
+                        k_j = kS[jE + jj, c]
+                        b_j = bS[jE + jj, c]
+                        # (a local buffer, so that each factor is computed once)
+                        w[0] = q_i * T.exp2(T.min(g_i - g_j, T.float32(0)))
+                        w[1] = a_i * T.exp2(T.min(g_e - g_j, T.float32(0)))
+                        accE[jj] = accE[jj] + w[0] * k_j
+                        accE[_HALF + jj] = accE[_HALF + jj] + w[0] * b_j
+                        accE[2 * _HALF + jj] = accE[2 * _HALF + jj] + w[1] * k_j
+                        accE[3 * _HALF + jj] = accE[3 * _HALF + jj] + w[1] * b_j
+                    if h > 0:
+                        g_b = G[j0 + _HALF - 1, c]
+                        w[0] = q_i * T.exp2(T.min(g_i - g_b, T.float32(0)))
+                        w[1] = a_i * T.exp2(T.min(g_e - g_b, T.float32(0)))
+                        for jj in T.unroll(_HALF):
+                            kf = kF[j0 + jj, c]
+                            bf = bF[j0 + jj, c]
+                            accF[jj] = accF[jj] + w[0] * kf
+                            accF[_HALF + jj] = accF[_HALF + jj] + w[0] * bf
+                            accF[2 * _HALF + jj] = accF[2 * _HALF + jj] + w[1] * kf
+                            accF[3 * _HALF + jj] = accF[3 * _HALF + jj] + w[1] * bf
+            T.sync_threads()
+
+        # ---- masked writes ----
+        if centred:
+            for r, c in T.Parallel(C, C):
+                if r < L:
+                    A_qk[i_b, t0 + r, i_h, c] = T.Cast(dtype, T.if_then_else(c <= r, F_qk[r, c] * scale, T.float32(0)))
+                    A_qb[i_b, t0 + r, i_h, c] = T.Cast(dtype, T.if_then_else(c <= r, F_qb[r, c] * scale, T.float32(0)))
+            for r, c in T.Parallel(C, C):
+                if r < L:
+                    A_ak[i_b, t0 + r, i_h, c] = T.if_then_else(c < r, F_ak[r, c], T.float32(0))
+                    A_ab[i_b, t0 + r, i_h, c] = T.if_then_else(c < r, F_ab[r, c], T.float32(0))
+        else:
+            # off-diagonal column blocks (and the zeros above the diagonal blocks)
+            outs = (A_qk, A_qb, A_ak, A_ab)
+            for J in ALL_BLOCKS:
+                for mi in MATS:
+                    out = outs[mi]
+                    for r, c in T.Parallel(C, _SUB):
+                        if r < L:
+                            if J < nb - 1:
+                                if r // _SUB > J:
+                                    v = F[J][mi][r, c] * scale if mi < 2 else F[J][mi][r, c]
+                                    out[i_b, t0 + r, i_h, J * _SUB + c] = T.Cast(out.dtype, v)
+                            if r // _SUB < J:
+                                out[i_b, t0 + r, i_h, J * _SUB + c] = T.Cast(out.dtype, T.float32(0))
+            # diagonal blocks: sum the K-slices through shared memory, one matrix at a time
+            Red = T.alloc_shared((S, C, _SUB + 1), f32)
+            i = tx % C
+            s = tx // C
+            j0 = (i // _SUB) * _SUB
+            h = (i % _SUB) // _HALF
+            for mi in MATS:
+                out = outs[mi]
+                # columns of the sub-block: first half exact (h = 0) or factored (h = 1),
+                # second half exact (h = 1) or above the diagonal (h = 0)
+                for jj in T.unroll(_HALF):
+                    Red[s, i, jj] = T.if_then_else(h > 0, accF[mi * _HALF + jj], accE[mi * _HALF + jj])
+                    Red[s, i, _HALF + jj] = T.if_then_else(h > 0, accE[mi * _HALF + jj], T.float32(0))
+                T.sync_threads()
+                for u in T.unroll(JS):
+                    jj = s * JS + u
+                    run[0] = T.float32(0)
+                    for p in T.unroll(S):
+                        run[0] = run[0] + Red[p, i, jj]
+                    if i < L:
+                        keep = (jj <= i - j0) if mi < 2 else (jj < i - j0)
+                        v = run[0] * scale if mi < 2 else run[0]
+                        out[i_b, t0 + i, i_h, j0 + jj] = T.Cast(out.dtype, T.if_then_else(keep, v, T.float32(0)))
+                T.sync_threads()
+
+    if varlen:
+
+        @T.prim_func
+        def intra_fwd(
+            q: T.Tensor((B, Tn, H, K), dtype),
+            k: T.Tensor((B, Tn, H, K), dtype),
+            a: T.Tensor((B, Tn, H, K), dtype),
+            b: T.Tensor((B, Tn, H, K), dtype),
+            gk: T.Tensor((B, Tn, H, K), gate_dtype),
+            chunk_start: T.Tensor((NS,), "int32"),
+            chunk_len: T.Tensor((NS,), "int32"),
+            scale: T.float32,
+            gl: T.Tensor((B, NS, H, K), _ACC),
+            A_qk: T.Tensor((B, Tn, H, C), dtype),
+            A_qb: T.Tensor((B, Tn, H, C), dtype),
+            A_ak: T.Tensor((B, Tn, H, C), _ACC),
+            A_ab: T.Tensor((B, Tn, H, C), _ACC),
+            qg: T.Tensor((B, Tn, H, K), dtype),
+            kg: T.Tensor((B, Tn, H, K), dtype),
+            ag: T.Tensor((B, Tn, H, K), dtype),
+            bg: T.Tensor((B, Tn, H, K), dtype),
+        ):
+            with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
+                t0 = chunk_start[i_c]
+                L = chunk_len[i_c]
+                body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L)
+
+    else:
+
+        @T.prim_func
+        def intra_fwd(
+            q: T.Tensor((B, Tn, H, K), dtype),
+            k: T.Tensor((B, Tn, H, K), dtype),
+            a: T.Tensor((B, Tn, H, K), dtype),
+            b: T.Tensor((B, Tn, H, K), dtype),
+            gk: T.Tensor((B, Tn, H, K), gate_dtype),
+            scale: T.float32,
+            gl: T.Tensor((B, NS, H, K), _ACC),
+            A_qk: T.Tensor((B, Tn, H, C), dtype),
+            A_qb: T.Tensor((B, Tn, H, C), dtype),
+            A_ak: T.Tensor((B, Tn, H, C), _ACC),
+            A_ab: T.Tensor((B, Tn, H, C), _ACC),
+            qg: T.Tensor((B, Tn, H, K), dtype),
+            kg: T.Tensor((B, Tn, H, K), dtype),
+            ag: T.Tensor((B, Tn, H, K), dtype),
+            bg: T.Tensor((B, Tn, H, K), dtype),
+        ):
+            # NS == ceil(T / C) (gl's slot dim); a slot past T has no rows and writes gl = 0
+            with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
+                t0 = i_c * C
+                L = T.min(Tn - t0, C)
+                body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L)
+
+    return intra_fwd
+
+
+def variants():
+    """Every config the compile test builds (and the GPU test runs).
+
+    C x K x dtype x scheme x varlen with fp32 gates, plus gates in the input dtype for one
+    shape (C = 32, K = 64, rect).
+    """
+    for C, K, dt, scheme, varlen in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES, SCHEMES, (False, True)):
+        yield dict(C=C, K=K, dtype=dt, scheme=scheme, varlen=varlen)
+    for dt, scheme in itertools.product(DTYPES, SCHEMES):
+        yield dict(C=32, K=64, dtype=dt, scheme=scheme, varlen=False, gate_dtype=dt)
+
+
+def ref_program(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound=float("-inf")):
+    """The contract: ``chunk_intra_fwd_reference`` (plain PyTorch, fp32 math), same outputs."""
+    from torch_dplr.ops.intra import chunk_intra_fwd_reference
+
+    return chunk_intra_fwd_reference(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound)

@@ -1,0 +1,238 @@
+"""GPU parity of the TileLang intra-chunk backward (csrc_tl/intra_bwd.py) with its PyTorch stage.
+
+The kernel is called directly (no dispatch through torch_dplr's ops) on inputs from
+``make_inputs``; the gradients it consumes come from the PyTorch reference stages
+(intra/WY/state forward, state/WY backward) at the real sizes, and are random with garbage
+in the masked upper triangles of dA_* in the all-variant sweep (the kernel must ignore them).
+Every output is compared with ``chunk_intra_bwd_reference`` by RMS(err)/RMS(ref), and must be
+finite; outputs start as NaN, so a row the kernel forgets to write fails too.
+Kernels come from the TileLang disk cache when it was filled beforehand (precompile).
+"""
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+tilelang = pytest.importorskip("tilelang")
+
+from csrc_tl import compile as tlc  # noqa: E402
+from csrc_tl.intra_bwd import intra_bwd_kernel, select_scheme, variants  # noqa: E402
+from torch_dplr.ops.intra import chunk_intra_bwd_reference, chunk_intra_fwd_reference  # noqa: E402
+from torch_dplr.ops.state import chunk_state_bwd_reference, chunk_state_fwd_reference  # noqa: E402
+from torch_dplr.ops.varlen import varlen_chunk_tables  # noqa: E402
+from torch_dplr.ops.wy import chunk_wy_bwd_reference, chunk_wy_fwd_reference  # noqa: E402
+from torch_dplr.testing import RWKV7_BOUND, make_inputs  # noqa: E402
+
+DEVICE = "cuda"
+# Kernels precompiled on a CPU machine (csrc_tl/intra_bwd.py variants()) live here; without
+# them every config compiles on first use (~20-90 s each), far past this file's budget.
+PRECOMPILED = Path(__file__).resolve().parents[1] / ".devsite" / "tilelang-cache"
+# RMS(err)/RMS(ref) bars per input dtype (the library's gradient bars, DESIGN.md section 5).
+TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+OUT_NAMES = ("dq", "dk", "da", "db", "dgk")
+GRAD_NAMES = ("dgl", "dA_qk", "dA_qb", "dA_ak", "dA_ab", "dqg", "dkg", "dag", "dbg")
+# cu_seqlens with a 1-token sequence, an empty one and a long one (T = 300)
+VARLEN_CU = [0, 1, 1, 138, 300]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompiled_cache():
+    """Use the repository's precompiled TileLang cache unless the caller chose one."""
+    mp = pytest.MonkeyPatch()
+    if "TILELANG_CACHE_DIR" not in os.environ and PRECOMPILED.is_dir():
+        mp.setenv("TILELANG_CACHE_DIR", str(PRECOMPILED))
+    yield
+    mp.undo()
+
+
+def _cu(cu):
+    if cu is None:
+        return torch.empty(0, dtype=torch.int64, device=DEVICE)
+    return torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+
+
+def _inputs(B, T, H, K, dtype, gates, cu, seed, gate_scale=1.0):
+    N = B if cu is None else len(cu) - 1
+    inp = make_inputs(B, T, H, K, dtype=dtype, gates=gates, seed=seed, device=DEVICE, num_states=N)
+    inp["gk"] = inp["gk"] * gate_scale
+    return inp
+
+
+def _pipeline_grads(inp, C, cu, scale, seed):
+    """Gradients of the intra outputs from the PyTorch reference stages (o, final state -> intra)."""
+    q, k, v, a, b, gk, h0 = (inp[n] for n in ("q", "k", "v", "a", "b", "gk", "initial_state"))
+    gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = chunk_intra_fwd_reference(
+        q, k, a, b, gk, cu, scale, C, float("-inf"))
+    A_inv, w, u = chunk_wy_fwd_reference(A_ab, A_ak, ag, v, cu, C)
+    o, ht, h, v_new = chunk_state_fwd_reference(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu, C, True, True)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    do = torch.randn(o.shape, generator=gen, device=DEVICE).to(o.dtype)
+    dht = torch.randn(ht.shape, generator=gen, device=DEVICE)
+    dqg, dkg, dbg, dw, du, _, dA_qk, dA_qb, dgl, _ = chunk_state_bwd_reference(
+        qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, h0, cu, C, True, True)
+    dA_ab, dA_ak, dag, _ = chunk_wy_bwd_reference(A_inv, A_ak, ag, v, dw, du, cu, C)
+    return dict(dgl=dgl, dA_qk=dA_qk, dA_qb=dA_qb, dA_ak=dA_ak, dA_ab=dA_ab,
+                dqg=dqg, dkg=dkg, dag=dag, dbg=dbg)
+
+
+def _random_grads(inp, C, cu, seed):
+    """Random gradients; the masked upper parts of dA_* hold large garbage the kernel must ignore."""
+    q = inp["q"]
+    B, T, H, K = q.shape
+    N = None if cu.numel() == 0 else cu.numel() - 1
+    slots = -(-T // C) + (0 if N is None else N - 1)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 2)
+
+    def rnd(shape, dtype):
+        return torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
+
+    g = {"dgl": rnd((B, slots, H, K), torch.float32)}
+    # position of each token in its chunk, to find the masked (upper) part of each dA row
+    if N is None:
+        pos = torch.arange(T, device=DEVICE) % C
+    else:
+        starts = torch.repeat_interleave(cu[:-1].long(), (cu[1:] - cu[:-1]).long())
+        pos = (torch.arange(T, device=DEVICE) - starts) % C
+    col = torch.arange(C, device=DEVICE)
+    upper_incl = (col[None, :] > pos[:, None])[None, :, None, :]   # j > i: masked for qk, qb
+    upper_strict = (col[None, :] >= pos[:, None])[None, :, None, :]  # j >= i: masked for ak, ab
+    for name, dtype, mask in (("dA_qk", q.dtype, upper_incl), ("dA_qb", q.dtype, upper_incl),
+                              ("dA_ak", torch.float32, upper_strict), ("dA_ab", torch.float32, upper_strict)):
+        x = rnd((B, T, H, C), torch.float32)
+        g[name] = torch.where(mask, 1e4 * x, x).to(dtype)
+    for name in ("dqg", "dkg", "dag", "dbg"):
+        g[name] = rnd((B, T, H, K), q.dtype)
+    return g
+
+
+def _rms_ratio(out, ref):
+    """RMS(out - ref) / RMS(ref) in fp64 on the tensors' device (testing.rms_ratio, no host copy)."""
+    out, ref = out.double(), ref.double()
+    denom = ref.pow(2).mean().sqrt().item()
+    err = (out - ref).pow(2).mean().sqrt().item()
+    return err / denom if denom > 0 else err
+
+
+def _run_kernel(cfg, inp, grads, cu, scale):
+    kern = tlc.build(intra_bwd_kernel, **cfg)
+    q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
+    outs = [torch.full_like(x, float("nan")) for x in (q, k, a, b, gk)]
+    args = [q, k, a, b, gk, *(grads[n].contiguous() for n in GRAD_NAMES)]
+    if cfg["varlen"]:
+        start, length, _ = varlen_chunk_tables(cu, q.shape[1], cfg["C"])
+        args += [start, length]
+    kern(*args, float(scale), *outs)
+    return outs
+
+
+def _check(cfg, inp, grads, cu, scale, dtype):
+    outs = _run_kernel(cfg, inp, grads, cu, scale)
+    ref = chunk_intra_bwd_reference(inp["q"], inp["k"], inp["a"], inp["b"], inp["gk"], cu,
+                                    *(grads[n] for n in GRAD_NAMES), scale, cfg["C"], float("-inf"))
+    errors = {}
+    for name, out, r in zip(OUT_NAMES, outs, ref):
+        assert out.dtype == r.dtype and out.shape == r.shape, name
+        assert torch.isfinite(out).all(), f"{name}: non-finite (or unwritten) entries for {cfg}"
+        errors[name] = _rms_ratio(out, r)
+    bad = {n: e for n, e in errors.items() if not e <= TOL[dtype]}
+    assert not bad, f"{cfg}: RMS(err)/RMS(ref) over {TOL[dtype]}: {bad} (all: {errors})"
+    return errors
+
+
+def _gates_for(cfg):
+    """(gate style, gate scale, lower bound) the config is meant for: bounded configs get gates
+    whose declared bound licenses the scheme (RWKV-7's, scaled down where fp16 needs it)."""
+    if not cfg["bounded"]:
+        return "unbounded", 1.0, None
+    for s in (1.0, 0.25):
+        if select_scheme(cfg["C"], cfg["dtype"], RWKV7_BOUND * s):
+            return "rwkv7", s, RWKV7_BOUND * s
+    raise AssertionError(f"no test gate for {cfg}")
+
+
+def _id(cfg):
+    return "C{C}-K{K}-{dtype}-{s}-{v}-gk_{gk_dtype}".format(
+        s="bnd" if cfg["bounded"] else "unb", v="varlen" if cfg["varlen"] else "rect", **cfg)
+
+
+@pytest.mark.parametrize("cfg", list(variants()), ids=_id)
+def test_variant_small(cfg):
+    """Every compiled variant at odd sizes: T not a multiple of C, varlen with 1-token, empty and
+    long sequences; random gradients with garbage in the masked dA parts."""
+    dtype = DTYPES[cfg["dtype"]]
+    gates, gscale, _ = _gates_for(cfg)
+    cu_list = VARLEN_CU if cfg["varlen"] else None
+    B, T = (1, VARLEN_CU[-1]) if cfg["varlen"] else (2, 157)
+    inp = _inputs(B, T, 3, cfg["K"], dtype, gates, cu_list, seed=cfg["C"] + cfg["K"], gate_scale=gscale)
+    if cfg["gk_dtype"] != "float32":
+        inp["gk"] = inp["gk"].to(dtype)
+    cu = _cu(cu_list)
+    grads = _random_grads(inp, cfg["C"], cu, seed=7)
+    _check(cfg, inp, grads, cu, cfg["K"] ** -0.5, dtype)
+
+
+REAL = [  # (C, gate style, bounded)
+    (64, "rwkv7", True), (64, "unbounded", False), (64, "saturated", False),
+    (32, "saturated", True), (32, "unbounded", False),
+    (16, "rwkv7", True), (16, "unbounded", False),
+]
+
+
+@pytest.mark.parametrize("C,gates,bounded", REAL, ids=[f"C{c}-{g}-{'bnd' if b else 'unb'}" for c, g, b in REAL])
+def test_real_size_pipeline_grads(C, gates, bounded):
+    """B=1 T=2048 H=16 K=128 bf16, gradients from the reference pipeline, RWKV-7 scale 1."""
+    if bounded:
+        assert select_scheme(C, "bfloat16", RWKV7_BOUND)
+    inp = _inputs(1, 2048, 16, 128, torch.bfloat16, gates, None, seed=C)
+    cu = _cu(None)
+    grads = _pipeline_grads(inp, C, cu, 1.0, seed=C)
+    cfg = dict(C=C, K=128, dtype="bfloat16", gk_dtype="float32", bounded=bounded, varlen=False)
+    _check(cfg, inp, grads, cu, 1.0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bnd", "unb"])
+def test_large_batch(bounded):
+    """B=2 T=4096 H=32 K=128 bf16, C=64 (random gradients: the pipeline oracle is slow here)."""
+    inp = _inputs(2, 4096, 32, 128, torch.bfloat16, "rwkv7" if bounded else "unbounded", None, seed=11)
+    cu = _cu(None)
+    grads = _random_grads(inp, 64, cu, seed=11)
+    cfg = dict(C=64, K=128, dtype="bfloat16", gk_dtype="float32", bounded=bounded, varlen=False)
+    _check(cfg, inp, grads, cu, 128 ** -0.5, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_varlen_pipeline_grads(dtype):
+    """Varlen at a real size with reference-pipeline gradients, both schemes, K=64."""
+    cu_list = [0, 1, 1, 700, 701, 2048]
+    torch_dtype = DTYPES[dtype]
+    cu = _cu(cu_list)
+    for gates, bounded in (("rwkv7", select_scheme(32, dtype, RWKV7_BOUND)), ("unbounded", False)):
+        inp = _inputs(1, 2048, 16, 64, torch_dtype, gates, cu_list, seed=5)
+        grads = _pipeline_grads(inp, 32, cu, 64 ** -0.5, seed=5)
+        cfg = dict(C=32, K=64, dtype=dtype, gk_dtype="float32", bounded=bounded, varlen=True)
+        _check(cfg, inp, grads, cu, 64 ** -0.5, torch_dtype)
+
+
+def test_extreme_unbounded_gates_finite():
+    """Gates of -40 per step (cumsums of thousands of e-folds): exact scheme stays finite."""
+    inp = _inputs(1, 256, 4, 64, torch.bfloat16, "unbounded", None, seed=3)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    hit = torch.rand(inp["gk"].shape, generator=gen, device=DEVICE) < 0.3
+    inp["gk"] = torch.where(hit, torch.full_like(inp["gk"], -40.0), inp["gk"])
+    cu = _cu(None)
+    grads = _random_grads(inp, 64, cu, seed=3)
+    cfg = dict(C=64, K=64, dtype="bfloat16", gk_dtype="float32", bounded=False, varlen=False)
+    _check(cfg, inp, grads, cu, 1.0, torch.bfloat16)
+
+
+def test_select_scheme():
+    assert select_scheme(64, "bfloat16", RWKV7_BOUND)
+    assert not select_scheme(64, "float16", RWKV7_BOUND)
+    assert select_scheme(16, "float16", RWKV7_BOUND)
+    assert not select_scheme(64, "bfloat16", None)
+    assert not select_scheme(64, "bfloat16", -math.inf)
+    assert not select_scheme(64, "bfloat16", -5.0) and select_scheme(16, "bfloat16", -5.0)

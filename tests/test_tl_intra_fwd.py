@@ -1,0 +1,147 @@
+"""GPU parity of the TileLang intra-chunk forward kernel (csrc_tl/intra_fwd.py) against its
+PyTorch stage, ``chunk_intra_fwd_reference``, output by output.
+
+The kernel is called directly (no torch_dplr dispatch). Every variant is built through
+csrc_tl.compile.build, so a disk cache filled by the precompile step answers without nvcc.
+Metric: RMS(out - ref) / RMS(ref) per output, plus finiteness of every output. The
+reference rounds its dtype outputs once too, so the bars sit a few times above the
+observed one-rounding disagreement (dtype outputs) and tf32 products (fp32 matrices).
+"""
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+pytest.importorskip("tilelang")
+
+from csrc_tl import compile as tlc  # noqa: E402
+from csrc_tl import intra_fwd as kmod  # noqa: E402
+from torch_dplr.ops.intra import chunk_intra_fwd_reference  # noqa: E402
+from torch_dplr.ops.shapes import allocate, intra_fwd_shapes  # noqa: E402
+from torch_dplr.ops.varlen import varlen_chunk_tables  # noqa: E402
+from torch_dplr.testing import RWKV7_BOUND, make_inputs, rms_ratio  # noqa: E402
+
+NAMES = ("gl", "A_qk", "A_qb", "A_ak", "A_ab", "qg", "kg", "ag", "bg")
+#: RMS(err)/RMS(ref) bars: gl (fp32 cumsum), dtype outputs, fp32 matrices (tf32 products).
+TOL = {
+    torch.bfloat16: {"gl": 1e-5, "dtype": 6e-3, "fp32": 2e-3},
+    torch.float16: {"gl": 1e-5, "dtype": 2.5e-3, "fp32": 1.5e-3},
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _bound(gates):
+    return None if gates == "unbounded" else RWKV7_BOUND
+
+
+def run_kernel(q, k, a, b, gk, cu_seqlens, scale, chunk_size, scheme):
+    """Allocate the outputs as the op does and launch the kernel; returns the 9 outputs."""
+    varlen = cu_seqlens.numel() > 0
+    outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
+    kernel = tlc.build(kmod.intra_fwd_kernel, C=chunk_size, K=q.shape[-1], dtype=q.dtype,
+                       scheme=scheme, varlen=varlen, gate_dtype=gk.dtype)
+    if varlen:
+        start, length, _ = varlen_chunk_tables(cu_seqlens, q.shape[1], chunk_size)
+        kernel(q, k, a, b, gk, start, length, float(scale), *outs)
+    else:
+        kernel(q, k, a, b, gk, float(scale), *outs)
+    return outs
+
+
+def check(B, T, H, K, dtype, gates, chunk_size, scheme, cu=None, gate_dtype=None, seed=0, scale=None):
+    inp = make_inputs(B, T, H, K, dtype=dtype, gates=gates, seed=seed, device="cuda")
+    q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
+    if gate_dtype is not None:
+        gk = gk.to(gate_dtype)
+    cu_seqlens = torch.tensor(cu if cu is not None else [], dtype=torch.int32, device="cuda")
+    scale = K ** -0.5 if scale is None else scale
+    lb = _bound(gates)
+    got = run_kernel(q, k, a, b, gk, cu_seqlens, scale, chunk_size, scheme)
+    ref = chunk_intra_fwd_reference(q, k, a, b, gk, cu_seqlens, scale, chunk_size,
+                                    -math.inf if lb is None else lb)
+    torch.cuda.synchronize()
+    tol = TOL[dtype]
+    errors, bad = {}, []
+    for name, g, r in zip(NAMES, got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        if not torch.isfinite(g).all():
+            bad.append(f"{name}: non-finite")
+            continue
+        err = rms_ratio(g, r)
+        errors[name] = err
+        bar = tol["gl"] if name == "gl" else tol["fp32"] if g.dtype == torch.float32 else tol["dtype"]
+        if not err <= bar:
+            bad.append(f"{name}: {err:.2e} > {bar:.0e}")
+    assert not bad, f"{bad} (all: { {n: f'{e:.1e}' for n, e in errors.items()} })"
+    return errors
+
+
+def _schemes(chunk_size, gates):
+    """The tiled scheme is exact for every gate; the centred one only where the bound allows."""
+    out = ["tiled"]
+    if kmod.centred_is_safe(chunk_size, _bound(gates)):
+        out.append("centred")
+    return out
+
+
+# Small odd sizes: every compiled variant (C x K x dtype x scheme x rect/varlen) once.
+# Varlen: a 1-token sequence, an empty one, partial chunks, a long one.
+_CU = [0, 1, 1, 150, 151, 400, 437]
+
+
+def _small_params():
+    for C in kmod.CHUNK_SIZES:
+        for K in kmod.HEAD_DIMS:
+            for dt in DTYPES:
+                for scheme, gates in (("centred", "rwkv7"), ("tiled", "unbounded")):
+                    for varlen in (False, True):
+                        yield pytest.param(C, K, dt, scheme, gates, varlen,
+                                           id=f"C{C}-K{K}-{dt}-{scheme}-{gates}-{'varlen' if varlen else 'rect'}")
+
+
+@pytest.mark.parametrize("C,K,dt,scheme,gates,varlen", list(_small_params()))
+def test_small_odd(C, K, dt, scheme, gates, varlen):
+    if varlen:
+        check(1, _CU[-1], 3, K, DTYPES[dt], gates, C, scheme, cu=_CU, seed=1)
+    else:
+        check(2, 237, 3, K, DTYPES[dt], gates, C, scheme, seed=2)
+
+
+@pytest.mark.parametrize("gates", ["rwkv7", "saturated", "unbounded"])
+@pytest.mark.parametrize("C", [16, 32, 64])
+def test_real_size_bf16(C, gates):
+    for scheme in _schemes(C, gates):
+        check(1, 2048, 16, 128, torch.bfloat16, gates, C, scheme, seed=3)
+
+
+@pytest.mark.parametrize("gates", ["rwkv7", "saturated", "unbounded"])
+def test_real_size_fp16_k64(gates):
+    for scheme in _schemes(64, gates):
+        check(1, 2048, 16, 64, torch.float16, gates, 64, scheme, seed=4)
+
+
+@pytest.mark.parametrize("scheme,gates", [("centred", "rwkv7"), ("tiled", "unbounded")])
+def test_large_batch(scheme, gates):
+    check(2, 4096, 32, 128, torch.bfloat16, gates, 64, scheme, seed=5)
+
+
+@pytest.mark.parametrize("scheme,gates", [("centred", "saturated"), ("tiled", "unbounded")])
+def test_varlen_real_size(scheme, gates):
+    cu = [0, 1, 1, 700, 701, 2048, 4000]
+    check(1, cu[-1], 16, 128, torch.bfloat16, gates, 64, scheme, cu=cu, seed=6)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+def test_gates_in_input_dtype(dt):
+    for scheme in ("centred", "tiled"):
+        check(1, 1000, 8, 64, DTYPES[dt], "rwkv7", 32, scheme, gate_dtype=DTYPES[dt], seed=7, scale=1.0)
+
+
+def test_scheme_selection():
+    assert kmod.scheme_for(64, RWKV7_BOUND) == "centred"
+    assert kmod.scheme_for(64, None) == "tiled"
+    assert kmod.scheme_for(64, -math.inf) == "tiled"
+    assert kmod.scheme_for(64, -5.0) == "tiled"
+    assert kmod.scheme_for(16, -5.0) == "centred"
