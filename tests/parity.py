@@ -35,9 +35,9 @@ def parity_errors(B, T, H, K, V=None, *, dtype=torch.float32, gates="rwkv7", chu
                                       theirs["b"], theirs["gk"], scale_,
                                       theirs.get("initial_state"), cu)
     gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
-    dht = torch.randn(ht_ref.shape, generator=gen, dtype=torch.float64)
-    loss = (o.double() * do.to(device)).sum() + (ht.double() * dht.to(device)).sum()
+    do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64).to(device)
+    dht = torch.randn(ht_ref.shape, generator=gen, dtype=torch.float64).to(device)
+    loss = (o.double() * do).sum() + (ht.double() * dht).sum()
     grads = torch.autograd.grad(loss, [ours[n] for n in names])
     ref_grads = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(),
                                     [theirs[n] for n in names])

@@ -12,6 +12,16 @@ import torch
 from ..reference import intra as ref
 from .chunked import ChunkedView, without_autocast
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
+from .tilelang_path import CHUNK_SIZES, tilelang_usable
+from .varlen import varlen_chunk_tables
+
+INTRA_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _intra_kernel_applies(q, gk, chunk_size) -> bool:
+    return (q.dtype in INTRA_KERNEL_DTYPES and gk.dtype in (torch.float32, q.dtype)
+            and q.shape[-1] in (64, 128) and chunk_size in CHUNK_SIZES
+            and tilelang_usable(q.device))
 
 Tensors9 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -36,6 +46,25 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
     return allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
 
 
+@chunk_intra_fwd.register_kernel("cuda")
+@without_autocast
+def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
+    K = q.shape[-1]
+    if not (_intra_kernel_applies(q, gk, chunk_size) and q.numel() > 0):
+        return chunk_intra_fwd_reference(q, k, a, b, gk, cu_seqlens, scale, chunk_size,
+                                         lower_bound)
+    from csrc_tl import build, intra_fwd
+    outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
+    varlen = cu_seqlens.numel() > 0
+    kernel = build(intra_fwd.intra_fwd_kernel, C=chunk_size, K=K, dtype=q.dtype,
+                   scheme=intra_fwd.scheme_for(chunk_size, lower_bound), varlen=varlen,
+                   gate_dtype=gk.dtype)
+    tables = varlen_chunk_tables(cu_seqlens, q.shape[1], chunk_size)[:2] if varlen else ()
+    inputs = [x.contiguous() for x in (q, k, a, b, gk)]
+    kernel(*inputs, *tables, float(scale), *outs)
+    return outs
+
+
 @without_autocast
 def chunk_intra_bwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
                               dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
@@ -58,6 +87,26 @@ chunk_intra_bwd = torch.library.custom_op("dplr::chunk_intra_bwd", mutates_args=
 @chunk_intra_bwd.register_fake
 def _(q, k, a, b, gk, cu_seqlens, *rest):
     return allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
+
+
+@chunk_intra_bwd.register_kernel("cuda")
+@without_autocast
+def _(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
+      chunk_size, lower_bound):
+    grads = (dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg)
+    if not (_intra_kernel_applies(q, gk, chunk_size) and q.numel() > 0):
+        return chunk_intra_bwd_reference(q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size,
+                                         lower_bound)
+    from csrc_tl import build, intra_bwd
+    outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
+    varlen = cu_seqlens.numel() > 0
+    kernel = build(intra_bwd.intra_bwd_kernel, C=chunk_size, K=q.shape[-1], dtype=q.dtype,
+                   gk_dtype=gk.dtype, varlen=varlen,
+                   bounded=intra_bwd.select_scheme(chunk_size, q.dtype, lower_bound))
+    tables = varlen_chunk_tables(cu_seqlens, q.shape[1], chunk_size)[:2] if varlen else ()
+    inputs = [x.contiguous() for x in (q, k, a, b, gk, *grads)]
+    kernel(*inputs, *tables, float(scale), *outs)
+    return outs
 
 
 def _setup_context(ctx, inputs, output):

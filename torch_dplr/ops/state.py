@@ -13,6 +13,10 @@ from torch import Tensor
 from ..reference import state as ref
 from .chunked import ChunkedView, start_state, without_autocast
 from .shapes import allocate, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
+from .tilelang_path import CHUNK_SIZES, tilelang_usable
+from .varlen import varlen_chunk_tables
+
+STATE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 
@@ -42,6 +46,33 @@ chunk_state_fwd = torch.library.custom_op("dplr::chunk_state_fwd", mutates_args=
 def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
       use_initial_state, keep_activations):
     return allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
+
+
+@chunk_state_fwd.register_kernel("cuda")
+@without_autocast
+def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
+      use_initial_state, keep_activations):
+    K, V = qg.shape[-1], v.shape[-1]
+    if not (v.dtype in STATE_KERNEL_DTYPES and K in (64, 128) and V in (64, 128)
+            and v.numel() > 0 and chunk_size in CHUNK_SIZES and tilelang_usable(v.device)):
+        return chunk_state_fwd_reference(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state,
+                                         cu_seqlens, chunk_size, use_initial_state,
+                                         keep_activations)
+    from csrc_tl import build, state_fwd
+    o, ht, h, v_new = allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations),
+                               v.device)
+    varlen = cu_seqlens.numel() > 0
+    kernel = build(state_fwd.state_fwd_kernel, C=chunk_size, K=K, V=V, dtype=v.dtype,
+                   varlen=varlen, use_initial_state=use_initial_state,
+                   keep_activations=keep_activations)
+    args = [x.contiguous() for x in (qg, kg, bg, w, u, v, A_qk, A_qb, gl)]
+    if use_initial_state:
+        args.append(initial_state.float().contiguous())
+    if varlen:
+        offsets = varlen_chunk_tables(cu_seqlens, v.shape[1], chunk_size)[2]
+        args += [cu_seqlens.to(torch.int32), offsets]
+    kernel(*args, o, ht, *((h, v_new) if keep_activations else ()))
+    return o, ht, h, v_new
 
 
 @without_autocast
