@@ -191,16 +191,20 @@ def state_bwd_kernel(
             dst[i, j] = T.if_then_else(i < ln, src[i_b, t0 + i, i_h, j], T.Cast(dtype, 0))
 
     @T.macro
-    def use_h(hf, part, hb_s, dh, dgl_f, gl_s, dgl, i_b, slot, i_h):
+    def use_h(hf, part, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h):
         # columns part*VP .. (part+1)*VP of h: to shared in the input dtype, and their share
-        # of rowsum(h ⊙ dh) in fp32; the last part writes dgl
+        # of rowsum(h ⊙ dh) in fp32; the last part writes dgl, staged through shared memory.
+        # OPEN BUG: with h_parts == 2 (C=64, K=128) dgl comes out non-finite on the H200
+        # (tests/test_tl_state_bwd.py real-size cases); h_parts == 1 (K=64) passes end to end.
         for k, j in T.Parallel(K, VP):
             hb_s[k, part * VP + j] = T.Cast(dtype, hf[k, j])
             hf[k, j] = hf[k, j] * dh[k, part * VP + j]
         T.reduce_sum(hf, dgl_f, dim=1, clear=(part == 0))
         if part == h_parts - 1:
+            T.copy(dgl_f, dgl_s)
+            T.sync_threads()
             for k in T.Parallel(K):
-                dgl[i_b, slot, i_h, k] = ln2 * T.exp2(gl_s[k]) * dgl_f[k]
+                dgl[i_b, slot, i_h, k] = ln2 * T.exp2(gl_s[k]) * dgl_s[k]
 
     @T.prim_func
     def state_bwd(
@@ -250,6 +254,7 @@ def state_bwd_kernel(
             # h of the chunk being processed, in h_parts column blocks
             h_f = [T.alloc_fragment((K, VP), _ACC) for _ in range(h_parts)]
             dgl_f = T.alloc_fragment((K,), _ACC)
+            dgl_s = T.alloc_shared((K,), _ACC)
             dvn_f = T.alloc_fragment((C, V), _ACC)
             dv_f = T.alloc_fragment((C, V), _ACC)
             dA_f = T.alloc_fragment((C, R), _ACC)  # [dA_qk | dA_qb | pad]
@@ -327,7 +332,7 @@ def state_bwd_kernel(
                 T.gemm(kg_s, dh_s, dv_f)
                 store_rows(dv_f, dv, i_b, t0, i_h, ln)
                 if h_parts == 2:
-                    use_h(h_f[0], 0, hb_s, dh, dgl_f, gl_s, dgl, i_b, slot, i_h)
+                    use_h(h_f[0], 0, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h)
                     T.copy(h[i_b, slot, i_h, :, VP:V], h_f[1])
 
                 # ---- prefetch batch A ----
@@ -349,7 +354,7 @@ def state_bwd_kernel(
                 store_tril(dA_f, C, dA_qb, i_b, t0, i_h, ln)
 
                 # ---- dgl = ln2 2^gl rowsum(h ⊙ dh) in fp32; h to shared; dh *= 2^gl ----
-                use_h(h_f[h_parts - 1], h_parts - 1, hb_s, dh, dgl_f, gl_s, dgl, i_b, slot, i_h)
+                use_h(h_f[h_parts - 1], h_parts - 1, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h)
                 for k, j in T.Parallel(K, V):
                     dh[k, j] = dh[k, j] * T.exp2(gl_s[k])
                 T.sync_threads()

@@ -111,6 +111,36 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
                                      use_initial_state), v.device)
 
 
+@chunk_state_bwd.register_kernel("cuda")
+@without_autocast
+def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens, chunk_size,
+      use_initial_state, use_dht):
+    K, V = qg.shape[-1], v.shape[-1]
+    # K = V = 128 stays on the PyTorch kernel until the TileLang kernel's dgl bug is fixed
+    # (csrc_tl/state_bwd.py, use_h).
+    if not (v.dtype in STATE_KERNEL_DTYPES and K == V == 64
+            and v.numel() > 0 and chunk_size in CHUNK_SIZES and tilelang_usable(v.device)):
+        return chunk_state_bwd_reference(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
+                                         initial_state, cu_seqlens, chunk_size,
+                                         use_initial_state, use_dht)
+    from csrc_tl import build, state_bwd
+    outs = allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
+                                     use_initial_state), v.device)
+    varlen = cu_seqlens.numel() > 0
+    kernel = build(state_bwd.state_bwd_kernel, C=chunk_size, K=K, V=V, dtype=v.dtype,
+                   varlen=varlen, use_dht=use_dht, use_initial_state=use_initial_state)
+    H = qg.shape[2]
+    if varlen:
+        offsets = varlen_chunk_tables(cu_seqlens, v.shape[1], chunk_size)[2]
+        cu32 = cu_seqlens.to(torch.int32)
+    else:
+        offsets = cu32 = torch.empty(0, dtype=torch.int32, device=v.device)
+    dht4 = dht.float().reshape(-1, H, K, V) if use_dht else gl.new_empty(0, H, K, V)
+    inputs = [x.contiguous() for x in (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do)]
+    kernel(*inputs, dht4.contiguous(), cu32, offsets, *outs[:9], outs[9].view(-1, H, K, V))
+    return outs
+
+
 def _setup_context(ctx, inputs, output):
     (qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
      use_initial_state, keep_activations) = inputs
