@@ -23,6 +23,7 @@ def _intra_kernel_applies(q, gk, chunk_size) -> bool:
             and q.shape[-1] in (64, 128) and chunk_size in CHUNK_SIZES
             and tilelang_usable(q.device))
 
+
 Tensors9 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
