@@ -23,8 +23,7 @@ class ChunkedView:
 
     def read_padded(self, x: torch.Tensor) -> torch.Tensor:
         """Like :meth:`read` with one extra all-zero slot at the end (the state pass's pad)."""
-        xc = self.read(x)
-        return torch.cat([xc, xc.new_zeros(1, *xc.shape[1:])])
+        return self.layout.to_chunks(x, self.dtype, zero_slot=True).transpose(1, 2)
 
     def read_slots(self, x: torch.Tensor, pad: bool = False) -> torch.Tensor:
         """Per-chunk tensors ``[B, slots, ...]`` -> ``[slots (+1), ...]`` in the compute dtype."""

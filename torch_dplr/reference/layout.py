@@ -32,11 +32,14 @@ class ChunkLayout:
     seq_slots: torch.Tensor    # [N, max_chunks] slot of chunk c of sequence n, pad -> num_slots
     valid_rows: torch.Tensor   # [num_slots * C] bool, rows that map to a real token
 
-    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``[B, T, H, D]`` -> ``[num_slots, C, H, D]`` in ``dtype`` (zero padded)."""
+    def to_chunks(self, x: torch.Tensor, dtype: torch.dtype, zero_slot: bool = False) -> torch.Tensor:
+        """``[B, T, H, D]`` -> ``[num_slots (+1 all-zero slot), C, H, D]`` in ``dtype``."""
         flat = x.reshape(self.num_tokens, *x.shape[2:]).to(dtype)
         flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        return flat[self.token_index]
+        index = self.token_index
+        if zero_slot:  # gathered in the same pass rather than concatenated afterwards
+            index = torch.cat([index, index.new_full((1, index.shape[1]), self.num_tokens)])
+        return flat[index]
 
     def from_chunks(self, xc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Scatter ``[num_slots, C, H, D]`` back into the caller-allocated ``out [B, T, H, D]``."""
