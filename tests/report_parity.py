@@ -7,13 +7,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from parity import parity_errors  # noqa: E402
+from torch_dplr.testing import parity_errors
 
 
 def main():

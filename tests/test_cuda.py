@@ -5,7 +5,7 @@ import torch
 
 import torch_dplr
 from op_samples import backward_samples, forward_samples
-from parity import parity_errors
+from torch_dplr.testing import parity_errors
 from test_parity import assert_within
 
 pytestmark = pytest.mark.cuda

@@ -5,7 +5,7 @@ import torch
 import torch_dplr
 from torch_dplr.testing import TOLERANCES
 
-from parity import parity_errors
+from torch_dplr.testing import parity_errors
 
 
 def assert_within(errors, dtype):
