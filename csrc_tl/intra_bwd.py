@@ -18,8 +18,9 @@ the dA matrices are zeroed on load, so whatever they hold is ignored.
 
 Grid and tiles
 --------------
-One CTA per (K-block, head, chunk, batch), 128 threads; columns are independent,
-so K is cut into ``block_K`` wide blocks (default 64). A CTA loads its chunk's
+One CTA per (K-block, head, chunk slot, batch), 128 threads, grid
+``(K/block_K * H, slots, B)``; columns are independent, so K is cut into ``block_K``
+wide blocks (default 64). A CTA loads its chunk's
 q, k, a, b, gate rows (zero past the sequence end), the four C x C dA tiles (masked,
 cast to the GEMM operand dtype), recomputes gi by a per-column serial cumsum in
 shared memory, computes the matrix terms on tensor cores, adds the elementwise
@@ -27,7 +28,9 @@ terms while storing dq/da/dk/db, and accumulates the per-row dgk terms in a
 shared fp32 tile ``G`` (``a da`` of row i is added to row i-1, which turns the
 exclusive sum into an inclusive one). A final per-column serial pass (one
 thread per column) does the in-chunk reverse cumsum and writes dgk.
-Varlen: one CTA per chunk slot of ``varlen_chunk_tables`` (``chunk_start`` /
+One variant for rect and varlen: the kernel always sees a list of sequences (B == 1
+at call time; a rect batch comes flattened, ``torch_dplr.ops.varlen.as_one_sequence_list``)
+and one CTA per chunk slot of ``torch_dplr.ops.varlen.kernel_tables`` (``chunk_start`` /
 ``chunk_len``; an empty slot loads nothing and stores nothing).
 
 Exponent schemes (DESIGN.md section 1, numerics)
@@ -73,9 +76,11 @@ where shared memory allows (block_K = 32 halves the C = 64 footprint).
 Shapes: q, k, a, b, dqg, dkg, dag, dbg, dq, dk, da, db [B, T, H, K] dtype;
 gk, dgk [B, T, H, K] gk_dtype; dgl [B, S, H, K] fp32 (S chunk slots);
 dA_qk, dA_qb [B, T, H, C] dtype; dA_ak, dA_ab [B, T, H, C] fp32; scale is a
-runtime fp32 scalar. B, T, H, S are symbolic. Call order:
-``kernel(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,
-[chunk_start, chunk_len,] scale, dq, dk, da, db, dgk)``.
+runtime fp32 scalar; chunk_start, chunk_len int32 [S]. B, T, H, S are symbolic (B == 1
+at call time). Signature (call ``kernel(*inputs, *outputs)``, nothing returned)::
+
+    intra_bwd(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,
+              chunk_start, chunk_len, scale, dq, dk, da, db, dgk)
 """
 
 # no "from __future__ import annotations": the prim_func annotations must evaluate eagerly
@@ -137,7 +142,6 @@ def intra_bwd_kernel(
     dtype: str,
     gk_dtype: str = "float32",
     bounded: bool = False,
-    varlen: bool = False,
     block_K: int = 0,
     threads: int = 0,
 ):
@@ -145,8 +149,7 @@ def intra_bwd_kernel(
 
     C: chunk size (16, 32, 64); K: head dim (multiple of block_K); dtype: bf16 / fp16
     (q, k, a, b, their gradients, dA_qk, dA_qb, GEMM operands); gk_dtype: dtype of gk
-    and dgk (fp32 or dtype); bounded: exponent scheme (see :func:`select_scheme`);
-    varlen: chunk slots come from ``chunk_start`` / ``chunk_len`` (B == 1).
+    and dgk (fp32 or dtype); bounded: exponent scheme (see :func:`select_scheme`).
     Schedule knobs (same results): block_K (0: 64) and threads (0: 128).
     """
     dtype = canonical_dtype(dtype)
@@ -443,83 +446,46 @@ def intra_bwd_kernel(
                 if r < L:
                     dgk[i_b, t0 + r, i_h, k0 + tx] = T.Cast(gk_dtype, acc[1] + acc[0])
 
-    if varlen:
-
-        @T.prim_func
-        def intra_bwd(
-            q: T.Tensor((B, Tn, H, K), dtype),
-            k: T.Tensor((B, Tn, H, K), dtype),
-            a: T.Tensor((B, Tn, H, K), dtype),
-            b: T.Tensor((B, Tn, H, K), dtype),
-            gk: T.Tensor((B, Tn, H, K), gk_dtype),
-            dgl: T.Tensor((B, S, H, K), _ACC),
-            dA_qk: T.Tensor((B, Tn, H, C), dtype),
-            dA_qb: T.Tensor((B, Tn, H, C), dtype),
-            dA_ak: T.Tensor((B, Tn, H, C), _ACC),
-            dA_ab: T.Tensor((B, Tn, H, C), _ACC),
-            dqg: T.Tensor((B, Tn, H, K), dtype),
-            dkg: T.Tensor((B, Tn, H, K), dtype),
-            dag: T.Tensor((B, Tn, H, K), dtype),
-            dbg: T.Tensor((B, Tn, H, K), dtype),
-            chunk_start: T.Tensor((S,), "int32"),
-            chunk_len: T.Tensor((S,), "int32"),
-            scale: T.float32,
-            dq: T.Tensor((B, Tn, H, K), dtype),
-            dk: T.Tensor((B, Tn, H, K), dtype),
-            da: T.Tensor((B, Tn, H, K), dtype),
-            db: T.Tensor((B, Tn, H, K), dtype),
-            dgk: T.Tensor((B, Tn, H, K), gk_dtype),
-        ):
-            with T.Kernel(NK * H, S, B, threads=threads) as (i_kh, i_c, i_b):
-                t0 = chunk_start[i_c]
-                L = chunk_len[i_c]
-                body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
-                     dq, dk, da, db, dgk, i_kh, i_c, i_b, t0, L)
-
-    else:
-
-        @T.prim_func
-        def intra_bwd(
-            q: T.Tensor((B, Tn, H, K), dtype),
-            k: T.Tensor((B, Tn, H, K), dtype),
-            a: T.Tensor((B, Tn, H, K), dtype),
-            b: T.Tensor((B, Tn, H, K), dtype),
-            gk: T.Tensor((B, Tn, H, K), gk_dtype),
-            dgl: T.Tensor((B, S, H, K), _ACC),
-            dA_qk: T.Tensor((B, Tn, H, C), dtype),
-            dA_qb: T.Tensor((B, Tn, H, C), dtype),
-            dA_ak: T.Tensor((B, Tn, H, C), _ACC),
-            dA_ab: T.Tensor((B, Tn, H, C), _ACC),
-            dqg: T.Tensor((B, Tn, H, K), dtype),
-            dkg: T.Tensor((B, Tn, H, K), dtype),
-            dag: T.Tensor((B, Tn, H, K), dtype),
-            dbg: T.Tensor((B, Tn, H, K), dtype),
-            scale: T.float32,
-            dq: T.Tensor((B, Tn, H, K), dtype),
-            dk: T.Tensor((B, Tn, H, K), dtype),
-            da: T.Tensor((B, Tn, H, K), dtype),
-            db: T.Tensor((B, Tn, H, K), dtype),
-            dgk: T.Tensor((B, Tn, H, K), gk_dtype),
-        ):
-            with T.Kernel(NK * H, T.ceildiv(Tn, C), B, threads=threads) as (i_kh, i_c, i_b):
-                t0 = i_c * C
-                L = T.min(C, Tn - t0)
-                body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
-                     dq, dk, da, db, dgk, i_kh, i_c, i_b, t0, L)
+    @T.prim_func
+    def intra_bwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        a: T.Tensor((B, Tn, H, K), dtype),
+        b: T.Tensor((B, Tn, H, K), dtype),
+        gk: T.Tensor((B, Tn, H, K), gk_dtype),
+        dgl: T.Tensor((B, S, H, K), _ACC),
+        dA_qk: T.Tensor((B, Tn, H, C), dtype),
+        dA_qb: T.Tensor((B, Tn, H, C), dtype),
+        dA_ak: T.Tensor((B, Tn, H, C), _ACC),
+        dA_ab: T.Tensor((B, Tn, H, C), _ACC),
+        dqg: T.Tensor((B, Tn, H, K), dtype),
+        dkg: T.Tensor((B, Tn, H, K), dtype),
+        dag: T.Tensor((B, Tn, H, K), dtype),
+        dbg: T.Tensor((B, Tn, H, K), dtype),
+        chunk_start: T.Tensor((S,), "int32"),
+        chunk_len: T.Tensor((S,), "int32"),
+        scale: T.float32,
+        dq: T.Tensor((B, Tn, H, K), dtype),
+        dk: T.Tensor((B, Tn, H, K), dtype),
+        da: T.Tensor((B, Tn, H, K), dtype),
+        db: T.Tensor((B, Tn, H, K), dtype),
+        dgk: T.Tensor((B, Tn, H, K), gk_dtype),
+    ):
+        with T.Kernel(NK * H, S, B, threads=threads) as (i_kh, i_c, i_b):
+            t0 = chunk_start[i_c]
+            L = chunk_len[i_c]
+            body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
+                 dq, dk, da, db, dgk, i_kh, i_c, i_b, t0, L)
 
     return intra_bwd
 
 
 def variants():
-    """Every config the compile test builds: C x K x dtype x scheme x varlen with fp32 gates,
-    plus a few with gates (and dgk) in the input dtype."""
-    for C, K, dt, bounded, varlen in itertools.product(
-        CHUNK_SIZES, HEAD_DIMS, DTYPES, (True, False), (False, True)
-    ):
-        yield dict(C=C, K=K, dtype=dt, gk_dtype="float32", bounded=bounded, varlen=varlen)
-    for C, dt, bounded, varlen in ((64, "bfloat16", True, False), (64, "bfloat16", False, False),
-                                   (32, "float16", False, True)):
-        yield dict(C=C, K=64, dtype=dt, gk_dtype=dt, bounded=bounded, varlen=varlen)
+    """Every config the dispatch can build (the compile test builds them all, the GPU test
+    runs them): C x K x dtype x scheme x gate dtype (gk and dgk in fp32, or the input dtype)."""
+    for C, K, dt, bounded in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES, (True, False)):
+        for gk_dtype in ("float32", dt):
+            yield dict(C=C, K=K, dtype=dt, gk_dtype=gk_dtype, bounded=bounded)
 
 
 def ref_program(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,

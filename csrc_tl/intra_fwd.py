@@ -15,11 +15,12 @@ so gi stays at the last real row and ``gl`` is gi of the last real row) and are 
 Grid and layout
 ---------------
 One CTA per (chunk slot, head, batch): ``T.Kernel(slots, H, B)``; slots go on grid x, the
-only grid dimension without the 65535 limit (varlen at C = 16 reaches it near 1M tokens).
-Rect: slot c starts at token ``c * C``; varlen (B == 1): slot c starts at ``chunk_start[c]``
-and has ``chunk_len[c]`` rows (0 for the unused trailing slots, which only write ``gl = 0``),
-the tables of :func:`torch_dplr.ops.varlen.varlen_chunk_tables`. B, T, H and the slot count
-are symbolic.
+only grid dimension without the 65535 limit (C = 16 reaches it near 1M tokens). One variant
+for rect and varlen: the kernel always sees a list of sequences (B == 1 at call time; a rect
+batch comes flattened, :func:`torch_dplr.ops.varlen.as_one_sequence_list`). Slot c starts at
+token ``chunk_start[c]`` and has ``chunk_len[c]`` rows (0 for the unused trailing slots, which
+only write ``gl = 0``), the tables of :func:`torch_dplr.ops.varlen.kernel_tables`. B, T, H and
+the slot count are symbolic.
 
 Every per-column quantity (cumsum, gated outputs, exponent factors) is independent across the
 K columns, so the kernel walks K in blocks of BK columns: per block it scans the gates
@@ -60,12 +61,12 @@ copies: latency is hidden by the second CTA and the unrolled, batched loads.
 
 Signature (call ``kernel(*inputs, *outputs)``, nothing returned)::
 
-    intra_fwd(q, k, a, b, gk, [chunk_start, chunk_len,] scale,
+    intra_fwd(q, k, a, b, gk, chunk_start, chunk_len, scale,
               gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg)
 
-q, k, a, b [B, T, H, K] dtype; gk [B, T, H, K] gate_dtype; chunk tables int32 [slots]
-(varlen only); scale a float; gl [B, slots, H, K] fp32; A_qk, A_qb [B, T, H, C] dtype;
-A_ak, A_ab [B, T, H, C] fp32; qg, kg, ag, bg [B, T, H, K] dtype.
+q, k, a, b [B, T, H, K] dtype; gk [B, T, H, K] gate_dtype; chunk_start, chunk_len int32
+[slots]; scale a float; gl [B, slots, H, K] fp32; A_qk, A_qb [B, T, H, C] dtype; A_ak, A_ab
+[B, T, H, C] fp32; qg, kg, ag, bg [B, T, H, K] dtype (B == 1 at call time).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
@@ -146,7 +147,6 @@ def intra_fwd_kernel(
     K: int,
     dtype: str,
     scheme: str = "tiled",
-    varlen: bool = False,
     gate_dtype: str = "float32",
     threads: int = 0,
     block_k: int = 0,
@@ -155,9 +155,9 @@ def intra_fwd_kernel(
 
     C: chunk size (16, 32, 64); K: head dim (multiple of 16, <= 256); dtype: dtype of q, k, a,
     b and of A_qk, A_qb, qg, kg, ag, bg (bf16 / fp16); scheme: "centred" (needs a lower bound,
-    :func:`scheme_for`) or "tiled" (any gate); varlen: read chunk_start / chunk_len tables;
-    gate_dtype: dtype of gk (fp32 or dtype). Schedule knobs (same results): threads (0 picks
-    the default), block_k (K columns per block, 0 picks the default).
+    :func:`scheme_for`) or "tiled" (any gate); gate_dtype: dtype of gk (fp32 or dtype).
+    Schedule knobs (same results): threads (0 picks the default), block_k (K columns per
+    block, 0 picks the default).
     """
     dtype = canonical_dtype(dtype)
     gate_dtype = canonical_dtype(gate_dtype)
@@ -436,72 +436,40 @@ def intra_fwd_kernel(
                         out[i_b, t0 + i, i_h, j0 + jj] = T.Cast(out.dtype, T.if_then_else(keep, v, T.float32(0)))
                 T.sync_threads()
 
-    if varlen:
-
-        @T.prim_func
-        def intra_fwd(
-            q: T.Tensor((B, Tn, H, K), dtype),
-            k: T.Tensor((B, Tn, H, K), dtype),
-            a: T.Tensor((B, Tn, H, K), dtype),
-            b: T.Tensor((B, Tn, H, K), dtype),
-            gk: T.Tensor((B, Tn, H, K), gate_dtype),
-            chunk_start: T.Tensor((NS,), "int32"),
-            chunk_len: T.Tensor((NS,), "int32"),
-            scale: T.float32,
-            gl: T.Tensor((B, NS, H, K), _ACC),
-            A_qk: T.Tensor((B, Tn, H, C), dtype),
-            A_qb: T.Tensor((B, Tn, H, C), dtype),
-            A_ak: T.Tensor((B, Tn, H, C), _ACC),
-            A_ab: T.Tensor((B, Tn, H, C), _ACC),
-            qg: T.Tensor((B, Tn, H, K), dtype),
-            kg: T.Tensor((B, Tn, H, K), dtype),
-            ag: T.Tensor((B, Tn, H, K), dtype),
-            bg: T.Tensor((B, Tn, H, K), dtype),
-        ):
-            with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
-                t0 = chunk_start[i_c]
-                L = chunk_len[i_c]
-                body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L)
-
-    else:
-
-        @T.prim_func
-        def intra_fwd(
-            q: T.Tensor((B, Tn, H, K), dtype),
-            k: T.Tensor((B, Tn, H, K), dtype),
-            a: T.Tensor((B, Tn, H, K), dtype),
-            b: T.Tensor((B, Tn, H, K), dtype),
-            gk: T.Tensor((B, Tn, H, K), gate_dtype),
-            scale: T.float32,
-            gl: T.Tensor((B, NS, H, K), _ACC),
-            A_qk: T.Tensor((B, Tn, H, C), dtype),
-            A_qb: T.Tensor((B, Tn, H, C), dtype),
-            A_ak: T.Tensor((B, Tn, H, C), _ACC),
-            A_ab: T.Tensor((B, Tn, H, C), _ACC),
-            qg: T.Tensor((B, Tn, H, K), dtype),
-            kg: T.Tensor((B, Tn, H, K), dtype),
-            ag: T.Tensor((B, Tn, H, K), dtype),
-            bg: T.Tensor((B, Tn, H, K), dtype),
-        ):
-            # NS == ceil(T / C) (gl's slot dim); a slot past T has no rows and writes gl = 0
-            with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
-                t0 = i_c * C
-                L = T.min(Tn - t0, C)
-                body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L)
+    @T.prim_func
+    def intra_fwd(
+        q: T.Tensor((B, Tn, H, K), dtype),
+        k: T.Tensor((B, Tn, H, K), dtype),
+        a: T.Tensor((B, Tn, H, K), dtype),
+        b: T.Tensor((B, Tn, H, K), dtype),
+        gk: T.Tensor((B, Tn, H, K), gate_dtype),
+        chunk_start: T.Tensor((NS,), "int32"),
+        chunk_len: T.Tensor((NS,), "int32"),
+        scale: T.float32,
+        gl: T.Tensor((B, NS, H, K), _ACC),
+        A_qk: T.Tensor((B, Tn, H, C), dtype),
+        A_qb: T.Tensor((B, Tn, H, C), dtype),
+        A_ak: T.Tensor((B, Tn, H, C), _ACC),
+        A_ab: T.Tensor((B, Tn, H, C), _ACC),
+        qg: T.Tensor((B, Tn, H, K), dtype),
+        kg: T.Tensor((B, Tn, H, K), dtype),
+        ag: T.Tensor((B, Tn, H, K), dtype),
+        bg: T.Tensor((B, Tn, H, K), dtype),
+    ):
+        with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
+            t0 = chunk_start[i_c]
+            L = chunk_len[i_c]
+            body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L)
 
     return intra_fwd
 
 
 def variants():
-    """Every config the compile test builds (and the GPU test runs).
-
-    C x K x dtype x scheme x varlen with fp32 gates, plus gates in the input dtype for one
-    shape (C = 32, K = 64, rect).
-    """
-    for C, K, dt, scheme, varlen in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES, SCHEMES, (False, True)):
-        yield dict(C=C, K=K, dtype=dt, scheme=scheme, varlen=varlen)
-    for dt, scheme in itertools.product(DTYPES, SCHEMES):
-        yield dict(C=32, K=64, dtype=dt, scheme=scheme, varlen=False, gate_dtype=dt)
+    """Every config the dispatch can build (the compile test builds them all, the GPU test
+    runs them): C x K x dtype x scheme x gate dtype (fp32, or the input dtype)."""
+    for C, K, dt, scheme in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES, SCHEMES):
+        for gate_dtype in (_ACC, dt):
+            yield dict(C=C, K=K, dtype=dt, scheme=scheme, gate_dtype=gate_dtype)
 
 
 def ref_program(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound=float("-inf")):

@@ -70,18 +70,19 @@ masked to their lower triangle in shared memory after each load (the reference a
 Shared memory (:func:`shared_bytes`; input dtype): 4·C·K + 2·C·V (do, dvn) + R·V (v; v_new;
 pad) + 2·C·C + 2·K·V (dh, h) elements plus K fp32: bf16 C=64, K=V=128: 208.5 KB (1 CTA/SM);
 C=32: 132.5 KB; C=16: 105.5 KB; K=V=64: C=64 96.3 KB, C=32 52.3 KB, C=16 33.3 KB.
-Registers (ptxas -v, sm_90a, bf16): K=V=128 with 256 threads 220-255 (C=64 varlen and C=32
-varlen sit at 255), K=V=64 with 128 threads 160-203; no variant spills.
+Registers (ptxas -v, sm_90a, bf16): K=V=128 with 256 threads 220-255, K=V=64 with 128
+threads 160-203; no variant spills.
 No TMA (the descriptors of symbolic shapes would be encoded on the host every launch).
 
-Shapes: qg, kg, bg, w [B, T, H, K]; v, v_new, do [B, T, H, V]; A_qk, A_qb [B, T, H, C];
-gl [B, S, H, K] fp32; h [B, S, H, K, V] fp32; dht [Nd, H, K, V] fp32 (Nd = N when
-``use_dht``, may be 0 otherwise); cu_seqlens, chunk_offsets [N+1] int32 (varlen; ignored
-and may be empty for rect); outputs dqg, dkg, dbg, dw [B, T, H, K]; du, dv [B, T, H, V];
-dA_qk, dA_qb [B, T, H, C] (0 above the diagonal); dgl [B, S, H, K] fp32; dh0 [N0, H, K, V]
-fp32 (written when ``use_initial_state``). B, T, H, S and the N's are symbolic.
-For varlen (B == 1) the unused trailing slots of dgl (S - chunk_offsets[N] of them) are
-written as zeros, as the reference does.
+Shapes (one variant for rect and varlen: a rect batch arrives as the sequence list
+[0, T, 2T, ...] of a [1, B·T, ...] view, see torch_dplr/ops/varlen.py): qg, kg, bg, w
+[B, T, H, K]; v, v_new, do [B, T, H, V]; A_qk, A_qb [B, T, H, C]; gl [B, S, H, K] fp32;
+h [B, S, H, K, V] fp32; dht [Nd, H, K, V] fp32 (Nd = N seeds dh, Nd = 0 starts from zero);
+cu_seqlens, chunk_offsets [N+1] int32; outputs dqg, dkg, dbg, dw [B, T, H, K]; du, dv
+[B, T, H, V]; dA_qk, dA_qb [B, T, H, C] (0 above the diagonal); dgl [B, S, H, K] fp32;
+dh0 [N0, H, K, V] fp32 (written when N0 = N; N0 = 0 skips it). B is 1 at call time;
+T, H, S and the N's are symbolic. The unused trailing slots of dgl (S - chunk_offsets[N]
+of them) are written as zeros, as the reference does.
 """
 
 import itertools
@@ -118,6 +119,22 @@ def _stack_rows(C: int, threads: int) -> int:
     return max(2 * C, 8 * (threads // 32) * 16 // C)
 
 
+def _column_block_layout(K: int, VP: int, threads: int):
+    """The register layout of columns 0..VP of the fp32 dh accumulator ([K, V], one 16-row
+    m16n8 strip per warp, FullRow): element (k, j) lives in thread (k // 16)·32 + (k % 8)·4 +
+    (j % 8) // 2 at index (j // 8)·4 + ((k % 16) // 8)·2 + j % 2."""
+    from tilelang.layout import Fragment
+
+    if K != 16 * (threads // 32):
+        raise ValueError(f"h_parts=2 needs one 16-row strip of dh per warp (K={K}, threads={threads})")
+
+    def thread_and_index(k, j):
+        return ((k // 16) * 32 + (k % 8) * 4 + (j % 8) // 2,
+                (j // 8) * 4 + ((k % 16) // 8) * 2 + j % 2)
+
+    return Fragment((K, VP), forward_fn=thread_and_index)
+
+
 def shared_bytes(C: int, K: int, V: int, threads: int = 0, itemsize: int = 2) -> int:
     """Shared memory the kernel allocates (before TileLang's small reduce workspace)."""
     threads = threads or _default_threads(K, V)
@@ -131,9 +148,6 @@ def state_bwd_kernel(
     K: int,
     V: int,
     dtype: str,
-    varlen: bool = False,
-    use_dht: bool = False,
-    use_initial_state: bool = False,
     threads: int = 0,
     h_parts: int = 0,
 ):
@@ -141,8 +155,8 @@ def state_bwd_kernel(
     chunk_offsets, dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0)``.
 
     C: chunk size (16, 32, 64); K, V: head dims (64, 128); dtype: bf16 / fp16 (the dtype of
-    every [B, T, H, *] tensor); varlen: one CTA per cu_seqlens sequence (B == 1) instead of
-    per batch row; use_dht: seed dh with dht; use_initial_state: write dh0.
+    every [B, T, H, *] tensor). One CTA per (head, cu_seqlens sequence); dh starts from dht
+    when it has rows (Nd > 0) and dh0 is written when it has rows (N0 > 0), decided at run time.
     Schedule knobs (same results): threads (0: 256 for K = V = 128, 128 for 64); h_parts
     (0: 2 for C = 64, K = 128, else 1): column blocks in which h is loaded into registers.
     """
@@ -194,8 +208,6 @@ def state_bwd_kernel(
     def use_h(hf, part, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h):
         # columns part*VP .. (part+1)*VP of h: to shared in the input dtype, and their share
         # of rowsum(h ⊙ dh) in fp32; the last part writes dgl, staged through shared memory.
-        # OPEN BUG: with h_parts == 2 (C=64, K=128) dgl comes out non-finite on the H200
-        # (tests/test_tl_state_bwd.py real-size cases); h_parts == 1 (K=64) passes end to end.
         for k, j in T.Parallel(K, VP):
             hb_s[k, part * VP + j] = T.Cast(dtype, hf[k, j])
             hf[k, j] = hf[k, j] * dh[k, part * VP + j]
@@ -233,7 +245,7 @@ def state_bwd_kernel(
         dgl: T.Tensor((B, S, H, K), _ACC),
         dh0: T.Tensor((N0, H, K, V), _ACC),
     ):
-        with T.Kernel(H, (Ncu - 1) if varlen else B, threads=threads) as (i_h, i_n):
+        with T.Kernel(H, Ncu - 1, threads=threads) as (i_h, i_n):
             # ---- buffers ----
             qg_s = T.alloc_shared((C, K), dtype)
             kg_s = T.alloc_shared((C, K), dtype)
@@ -251,8 +263,13 @@ def state_bwd_kernel(
             dvn_s = T.alloc_shared((C, V), dtype)
 
             dh = T.alloc_fragment((K, V), _ACC)  # carried gradient, fp32
-            # h of the chunk being processed, in h_parts column blocks
-            h_f = [T.alloc_fragment((K, VP), _ACC) for _ in range(h_parts)]
+            # h of the chunk being processed, one column block at a time
+            h_f = T.alloc_fragment((K, VP), _ACC)
+            if h_parts == 2:
+                # pin h_f to dh's accumulator layout restricted to VP columns: left to inference,
+                # a [K, VP] fragment fed from the [K, V] dh gets dh's whole layout and
+                # reduce_sum then reads registers no loop wrote (non-finite dgl)
+                T.annotate_layout({h_f: _column_block_layout(K, VP, threads)})
             dgl_f = T.alloc_fragment((K,), _ACC)
             dgl_s = T.alloc_shared((K,), _ACC)
             dvn_f = T.alloc_fragment((C, V), _ACC)
@@ -263,19 +280,13 @@ def state_bwd_kernel(
             dk_f = T.alloc_fragment((C, K), _ACC)
             db_f = T.alloc_fragment((C, K), _ACC)
 
-            if varlen:
-                i_b = 0
-                bos = cu_seqlens[i_n]
-                eos = cu_seqlens[i_n + 1]
-                s0 = chunk_offsets[i_n]
-            else:
-                i_b = i_n
-                bos = 0
-                eos = Tn
-                s0 = 0
+            i_b = 0  # one list of sequences (a rect batch arrives flattened)
+            bos = cu_seqlens[i_n]
+            eos = cu_seqlens[i_n + 1]
+            s0 = chunk_offsets[i_n]
             nc = T.ceildiv(eos - bos, C)
 
-            if use_dht:
+            if Nd > 0:
                 T.copy(dht[i_n, i_h, :, :], dh)
             else:
                 T.clear(dh)
@@ -315,7 +326,7 @@ def state_bwd_kernel(
                 T.ptx_wait_group(_NC)
                 T.sync_threads()
                 # h of this chunk: loads issued now, first used after two (four) GEMMs
-                T.copy(h[i_b, slot, i_h, :, 0:VP], h_f[0])
+                T.copy(h[i_b, slot, i_h, :, 0:VP], h_f)
                 for i, j in T.Parallel(C, C):
                     Aqk_s[i, j] = T.if_then_else(j <= i, Aqk_s[i, j], T.Cast(dtype, 0))
                     Aqb_s[i, j] = T.if_then_else(j <= i, Aqb_s[i, j], T.Cast(dtype, 0))
@@ -332,8 +343,8 @@ def state_bwd_kernel(
                 T.gemm(kg_s, dh_s, dv_f)
                 store_rows(dv_f, dv, i_b, t0, i_h, ln)
                 if h_parts == 2:
-                    use_h(h_f[0], 0, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h)
-                    T.copy(h[i_b, slot, i_h, :, VP:V], h_f[1])
+                    use_h(h_f, 0, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h)
+                    T.copy(h[i_b, slot, i_h, :, VP:V], h_f)
 
                 # ---- prefetch batch A ----
                 if c > 0:
@@ -354,7 +365,7 @@ def state_bwd_kernel(
                 store_tril(dA_f, C, dA_qb, i_b, t0, i_h, ln)
 
                 # ---- dgl = ln2 2^gl rowsum(h ⊙ dh) in fp32; h to shared; dh *= 2^gl ----
-                use_h(h_f[h_parts - 1], h_parts - 1, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h)
+                use_h(h_f, h_parts - 1, hb_s, dh, dgl_f, dgl_s, gl_s, dgl, i_b, slot, i_h)
                 for k, j in T.Parallel(K, V):
                     dh[k, j] = dh[k, j] * T.exp2(gl_s[k])
                 T.sync_threads()
@@ -392,24 +403,21 @@ def state_bwd_kernel(
                     T.async_copy(v_new[i_b, tp : tp + C, i_h, :], vv_s[C : 2 * C, :])
                     T.async_copy(w[i_b, tp : tp + C, i_h, :], w_s)
 
-            if use_initial_state:
+            if N0 > 0:
                 T.copy(dh, dh0[i_n, i_h, :, :])
-            if varlen:
-                # unused trailing chunk slots of dgl: zeros, one slot per CTA
-                zs = chunk_offsets[Ncu - 1] + i_n
-                if zs < S:
-                    for k in T.Parallel(K):
-                        dgl[0, zs, i_h, k] = T.float32(0)
+            # unused trailing chunk slots of dgl (varlen): zeros, one slot per CTA
+            zs = chunk_offsets[Ncu - 1] + i_n
+            if zs < S:
+                for k in T.Parallel(K):
+                    dgl[0, zs, i_h, k] = T.float32(0)
 
     return state_bwd
 
 
 def variants():
-    """Every config the compile test builds: C x K=V x dtype x varlen x use_dht x use_initial_state."""
-    for C, K, dt, vl, ud, ui in itertools.product(
-        CHUNK_SIZES, HEAD_DIMS, DTYPES, (False, True), (False, True), (False, True)
-    ):
-        yield dict(C=C, K=K, V=K, dtype=dt, varlen=vl, use_dht=ud, use_initial_state=ui)
+    """Every config the dispatch builds (and the CI compiles): C x K=V x dtype."""
+    for C, K, dt in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES):
+        yield dict(C=C, K=K, V=K, dtype=dt)
 
 
 def ref_program(*args, **kwargs):

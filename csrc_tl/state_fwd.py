@@ -12,21 +12,27 @@ One CTA (one warpgroup by default) per (V-block of BV columns, head,
 sequence); V-blocks fastest so the CTAs that share a chunk's [C, K] tiles
 (qg, kg, bg, w) run side by side and meet in L2. A CTA walks its sequence's
 chunks serially with its K x BV slice of h in an fp32 accumulator fragment;
-h and v_new are never written and read back to make o. Rect: sequence n =
-batch n, rows past T load as zero (cp.async zero-fill). Varlen (B == 1):
-sequence n spans cu_seqlens[n] .. cu_seqlens[n+1], its chunk c is slot
-seq_chunk_offsets[n] + c. Its last chunk's rows past the sequence end hold the
-next sequence's tokens: v is zeroed there in shared memory (kg^T v would see
-it), v_new rows there are zeroed in registers (A_qb v_new, bg^T v_new), and
-o / v_new stores are predicated; the qg, w, u, A rows there only reach rows
-that are masked or never stored (A_qk, A_qb are lower triangular).
+h and v_new are never written and read back to make o. One variant serves rect
+and varlen: the kernel always sees a list of sequences (B == 1; a rect batch
+arrives flattened as cu_seqlens = [0, T, 2T, ...], see torch_dplr/ops/varlen.py).
+Sequence n spans cu_seqlens[n] .. cu_seqlens[n+1], its chunk c is slot
+chunk_offsets[n] + c. Its last chunk's rows past the sequence end hold the
+next sequence's tokens (or, past T, load as zero: cp.async zero-fill): v is
+zeroed there in shared memory (kg^T v would see it), v_new rows there are
+zeroed in registers (A_qb v_new, bg^T v_new), and o / v_new stores are
+predicated; the qg, w, u, A rows there only reach rows that are masked or never
+stored (A_qk, A_qb are lower triangular).
+
+Optional tensors are decided at run time from their symbolic sizes, by
+branches uniform over the CTA: h0 with N0 == 0 means h starts at 0; h and
+v_new with Sh == 0 mean the activations are not kept (nothing is written).
 
 Per chunk (double buffer `cur`)::
 
     sync; cp.async chunk c+1 -> other buffer; wait for chunk c; sync
-    h -> hh (+ hl) in shared; [h -> global]; h *= 2^gl
+    h -> hh (+ hl) in shared; [h -> global if kept]; h *= 2^gl
     async wgmma: v_new = w hh (+ w hl); o = qg hh (+ qg hl) + A_qk v; h += kg^T v
-    wait; v_new += u; v_new -> vh (+ vl); [v_new -> global]; sync
+    wait; v_new += u; v_new -> vh (+ vl); [v_new -> global if kept]; sync
     async wgmma: o += A_qb vh (+ A_qb vl); h += bg^T vh (+ bg^T vl)
     wait; o -> global
 
@@ -78,20 +84,22 @@ BV = 32 (default) gives 4 CTAs per (sequence, head) at V = 128: B=1, H=16 is
 segment-parallel split over time is the cure (DESIGN.md section 6): not
 implemented here.
 
-Signature (caller-allocated outputs, B/T/H/slots/N symbolic):
+Signature (caller-allocated outputs; every dim but C, K, V symbolic):
 
-    state_fwd(qg, kg, bg, w, u, v, A_qk, A_qb, gl,
-              [h0]                          if use_initial_state,
-              [cu_seqlens, seq_chunk_offsets]  if varlen (int32 [N+1] each),
-              o, ht,
-              [h, v_new]                    if keep_activations)
+    state_fwd(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu_seqlens, chunk_offsets,
+              o, ht, h, v_new)
 
-qg, kg, bg, w [B, T, H, K]; u, v, o, v_new [B, T, H, V] (dtype); A_qk, A_qb
+qg, kg, bg, w [B, T, H, K]; u, v, o [B, T, H, V] (dtype); A_qk, A_qb
 [B, T, H, C] (dtype, lower triangular incl. the diagonal within each chunk, as
 ``dplr::chunk_intra_fwd`` writes them; the upper triangle is not masked here);
-gl [B, slots, H, K] fp32; h0, ht [N, H, K, V] fp32; h [B, slots, H, K, V]
-fp32 (state at each chunk's start). Reference: ``chunk_state_fwd_reference``
-in torch_dplr/ops/state.py (math in torch_dplr/reference/state.py).
+gl [B, S, H, K] fp32 (S chunk slots); cu_seqlens, chunk_offsets int32 [N+1];
+ht [N, H, K, V] fp32; h0 [N0, H, K, V] fp32 (N0 == N, or 0: start from zero);
+h [Bh, Sh, H, K, V] fp32 (state at each chunk's start) and v_new [Bv, Tv, H, V]
+(dtype): Sh == S and Tv == T to keep them; Sh == 0 skips both (pass both size 0).
+B is 1 at call time. Unused trailing slots of h (S > chunk_offsets[N], varlen)
+are written as zeros, as the reference does. Reference:
+``chunk_state_fwd_reference`` in torch_dplr/ops/state.py (math in
+torch_dplr/reference/state.py).
 """
 
 # No `from __future__ import annotations`: the prim_func signatures below are built from
@@ -142,9 +150,6 @@ def state_fwd_kernel(
     K: int,
     V: int,
     dtype: str,
-    varlen: bool = False,
-    use_initial_state: bool = False,
-    keep_activations: bool = False,
     split: bool = True,
     BV: int = 0,
     threads: int = 0,
@@ -153,10 +158,9 @@ def state_fwd_kernel(
     """prim_func ``state_fwd(...)`` for one static config (signature in the module docstring).
 
     C: chunk size (16, 32, 64); K, V: head dims (multiples of 16, <= 256);
-    dtype: bf16 / fp16 data; varlen: sequences from cu_seqlens (B == 1);
-    use_initial_state: read h0 (else h starts at 0); keep_activations: also
-    write h (per chunk start) and v_new; split: hi/lo split of h and v_new in
-    the GEMMs (see the module docstring). Schedule knobs (same results up to
+    dtype: bf16 / fp16 data; split: hi/lo split of h and v_new in the GEMMs
+    (see the module docstring). Whether h0 is read and h / v_new are written is
+    decided per call from their sizes. Schedule knobs (same results up to
     rounding order): BV (0: :func:`default_block_v`), threads (0: default),
     num_stages (2: prefetch the next chunk; 1: no prefetch).
     """
@@ -179,7 +183,7 @@ def state_fwd_kernel(
     NV = V // BV
 
     B, Tn, H, S, N = T.dynamic("B, T, H, S, N")
-    N1, Bh, Sh, Bv, Tv = T.dynamic("N1, Bh, Sh, Bv, Tv")
+    N0, N1, Bh, Sh, Bv, Tv = T.dynamic("N0, N1, Bh, Sh, Bv, Tv")
 
     nbuf = 2 if num_stages >= 2 else 1
     GROUPS = 9  # cp.async commit groups per chunk: one per T.async_copy in load_chunk
@@ -207,8 +211,25 @@ def state_fwd_kernel(
         if split:
             lo[i, j] = T.Cast(dtype, x - T.Cast(_ACC, T.Cast(dtype, x)))
 
-    @T.macro
-    def body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu_seqlens, chunk_offsets, o, ht, h, v_new):
+    @T.prim_func
+    def state_fwd(
+        qg: T.Tensor((B, Tn, H, K), dtype),
+        kg: T.Tensor((B, Tn, H, K), dtype),
+        bg: T.Tensor((B, Tn, H, K), dtype),
+        w: T.Tensor((B, Tn, H, K), dtype),
+        u: T.Tensor((B, Tn, H, V), dtype),
+        v: T.Tensor((B, Tn, H, V), dtype),
+        A_qk: T.Tensor((B, Tn, H, C), dtype),
+        A_qb: T.Tensor((B, Tn, H, C), dtype),
+        gl: T.Tensor((B, S, H, K), _ACC),
+        h0: T.Tensor((N0, H, K, V), _ACC),
+        cu_seqlens: T.Tensor((N1,), "int32"),
+        chunk_offsets: T.Tensor((N1,), "int32"),
+        o: T.Tensor((B, Tn, H, V), dtype),
+        ht: T.Tensor((N, H, K, V), _ACC),
+        h: T.Tensor((Bh, Sh, H, K, V), _ACC),
+        v_new: T.Tensor((Bv, Tv, H, V), dtype),
+    ):
         with T.Kernel(NV, H, N, threads=threads) as (i_v, i_h, i_n):
             v0 = i_v * BV
 
@@ -235,20 +256,13 @@ def state_fwd_kernel(
             vn_f = T.alloc_fragment((C, BV), _ACC)
             o_f = T.alloc_fragment((C, BV), _ACC)
 
-            if varlen:
-                i_b = 0
-                bos = cu_seqlens[i_n]
-                eos = cu_seqlens[i_n + 1]
-                boh = chunk_offsets[i_n]
-                n_chunks = chunk_offsets[i_n + 1] - boh
-            else:
-                i_b = i_n
-                bos = 0
-                eos = T.max(Tn, 0)  # (== T; binding the bare Var would rename T in the signature)
-                boh = 0
-                n_chunks = T.ceildiv(Tn, C)
+            i_b = 0
+            bos = cu_seqlens[i_n]
+            eos = cu_seqlens[i_n + 1]
+            boh = chunk_offsets[i_n]
+            n_chunks = chunk_offsets[i_n + 1] - boh
 
-            if use_initial_state:
+            if N0 > 0:  # an initial state was passed
                 T.copy(h0[i_n, i_h, :, v0 : v0 + BV], h_f)
             else:
                 T.clear(h_f)
@@ -278,19 +292,18 @@ def state_fwd_kernel(
                     T.ptx_wait_group(0)
                 T.sync_threads()
 
-                if varlen:
-                    # a sequence's last chunk: the rows past its end hold the next
-                    # sequence's tokens; zero v there (kg^T v would see them). w, u, qg,
-                    # A rows there only reach v_new / o rows that are masked or not stored.
-                    if t0 + C > eos:
-                        for i, j in T.Parallel(C, BV):
-                            if t0 + i >= eos:
-                                v_s[cur, i, j] = T.cast(0, dtype)
+                # a sequence's last chunk: the rows past its end hold the next
+                # sequence's tokens; zero v there (kg^T v would see them). w, u, qg,
+                # A rows there only reach v_new / o rows that are masked or not stored.
+                if t0 + C > eos:
+                    for i, j in T.Parallel(C, BV):
+                        if t0 + i >= eos:
+                            v_s[cur, i, j] = T.cast(0, dtype)
 
                 # h (chunk start) -> GEMM operand(s); keep it if asked
                 for k, j in T.Parallel(K, BV):
                     split_store(h_f[k, j], hh_s, hl_s, k, j)
-                if keep_activations:
+                if Sh > 0:  # activations kept
                     T.copy(h_f, h[i_b, boh + c, i_h, :, v0 : v0 + BV])
                 # decay now (gl <= 0), so no register of an in-flight wgmma is touched below
                 for k, j in T.Parallel(K, BV):
@@ -315,7 +328,7 @@ def state_fwd_kernel(
                                                 T.float32(0))
                 for i, j in T.Parallel(C, BV):
                     split_store(vn_f[i, j], vh_s, vl_s, i, j)
-                if keep_activations:
+                if Sh > 0:
                     for i, j in T.Parallel(C, BV):
                         if t0 + i < eos:
                             v_new[i_b, t0 + i, i_h, v0 + j] = T.Cast(dtype, vn_f[i, j])
@@ -336,84 +349,20 @@ def state_fwd_kernel(
 
             T.copy(h_f, ht[i_n, i_h, :, v0 : v0 + BV])
 
-            if varlen and keep_activations:
-                # slots past the last sequence's chunks hold no chunk: zero, as the reference
+            # slots past the last sequence's chunks hold no chunk: zero, as the reference
+            if Sh > 0:
                 if i_n == N - 1:
                     for s in T.serial(chunk_offsets[i_n + 1], Sh):
                         for k, j in T.Parallel(K, BV):
                             h[0, s, i_h, k, v0 + j] = T.float32(0)
 
-    return _make_prim_func(body, dtype, varlen, use_initial_state, keep_activations,
-                           Q=(B, Tn, H, K), U=(B, Tn, H, V), A=(B, Tn, H, C), G=(B, S, H, K),
-                           St=(N, H, K, V), Tab=(N1,), Hs=(Bh, Sh, H, K, V), Vn=(Bv, Tv, H, V))
-
-
-def _make_prim_func(body, dtype, varlen, use_initial_state, keep_activations, **shapes):
-    """One prim_func per (use_initial_state, varlen, keep_activations): absent tensors are
-    not parameters, so callers never pass placeholders of the wrong rank."""
-    # TileLang's parser wants literal signatures; enumerate the 8 shapes of it.
-    # Annotations are factories: TileLang calls each one, so every parameter gets its own
-    # buffer (one shared T.Tensor object would make the parameters alias).
-    def tensor(shape, dt):
-        return lambda: T.Tensor(shape, dt)
-
-    Q = tensor(shapes["Q"], dtype)
-    U = tensor(shapes["U"], dtype)
-    A = tensor(shapes["A"], dtype)
-    G = tensor(shapes["G"], _ACC)
-    St = tensor(shapes["St"], _ACC)
-    Tab = tensor(shapes["Tab"], "int32")
-    Hs = tensor(shapes["Hs"], _ACC)
-    Vn = tensor(shapes["Vn"], dtype)
-
-    if use_initial_state and varlen and keep_activations:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G, h0: St,
-                      cu_seqlens: Tab, seq_chunk_offsets: Tab, o: U, ht: St, h: Hs, v_new: Vn):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu_seqlens, seq_chunk_offsets, o, ht, h, v_new)
-    elif use_initial_state and varlen:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G, h0: St,
-                      cu_seqlens: Tab, seq_chunk_offsets: Tab, o: U, ht: St):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu_seqlens, seq_chunk_offsets, o, ht, None, None)
-    elif use_initial_state and keep_activations:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G, h0: St,
-                      o: U, ht: St, h: Hs, v_new: Vn):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, None, None, o, ht, h, v_new)
-    elif use_initial_state:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G, h0: St,
-                      o: U, ht: St):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, None, None, o, ht, None, None)
-    elif varlen and keep_activations:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G,
-                      cu_seqlens: Tab, seq_chunk_offsets: Tab, o: U, ht: St, h: Hs, v_new: Vn):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, None, cu_seqlens, seq_chunk_offsets, o, ht, h, v_new)
-    elif varlen:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G,
-                      cu_seqlens: Tab, seq_chunk_offsets: Tab, o: U, ht: St):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, None, cu_seqlens, seq_chunk_offsets, o, ht, None, None)
-    elif keep_activations:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G,
-                      o: U, ht: St, h: Hs, v_new: Vn):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, None, None, None, o, ht, h, v_new)
-    else:
-        @T.prim_func
-        def state_fwd(qg: Q, kg: Q, bg: Q, w: Q, u: U, v: U, A_qk: A, A_qb: A, gl: G, o: U, ht: St):
-            body(qg, kg, bg, w, u, v, A_qk, A_qb, gl, None, None, None, o, ht, None, None)
     return state_fwd
 
 
 def variants():
-    """Every config the compile test builds: C x K=V x dtype x varlen x h0 x keep."""
-    for C, K, dt, varlen, h0, keep in itertools.product(
-            CHUNK_SIZES, HEAD_DIMS, DTYPES, (False, True), (False, True), (False, True)):
-        yield dict(C=C, K=K, V=K, dtype=dt, varlen=varlen, use_initial_state=h0,
-                   keep_activations=keep)
+    """Every config the dispatch builds (the compile test builds them all): C x K=V x dtype."""
+    for C, K, dt in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES):
+        yield dict(C=C, K=K, V=K, dtype=dt)
 
 
 def ref_program(*args, **kwargs):

@@ -1,6 +1,9 @@
 """GPU parity of the TileLang intra-chunk backward (csrc_tl/intra_bwd.py) with its PyTorch stage.
 
-The kernel is called directly (no dispatch through torch_dplr's ops) on inputs from
+The kernel is called directly (no dispatch through torch_dplr's ops) in its one form, a list
+of sequences: rect inputs [B, T, ...] (and dgl [B, slots, ...]) go in flattened to
+[1, B*T, ...] with the tables of ``kernel_tables``, and the outputs, viewed back as [B, ...],
+are compared with the reference run on the original rect / varlen inputs. Inputs come from
 ``make_inputs``; the gradients it consumes come from the PyTorch reference stages
 (intra/WY/state forward, state/WY backward) at the real sizes, and are random with garbage
 in the masked upper triangles of dA_* in the all-variant sweep (the kernel must ignore them).
@@ -8,6 +11,7 @@ Every output is compared with ``chunk_intra_bwd_reference`` by RMS(err)/RMS(ref)
 finite; outputs start as NaN, so a row the kernel forgets to write fails too.
 Kernels come from the TileLang disk cache when it was filled beforehand (precompile).
 """
+import itertools
 import math
 import os
 from pathlib import Path
@@ -22,7 +26,7 @@ from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl.intra_bwd import intra_bwd_kernel, select_scheme, variants  # noqa: E402
 from torch_dplr.ops.intra import chunk_intra_bwd_reference, chunk_intra_fwd_reference  # noqa: E402
 from torch_dplr.ops.state import chunk_state_bwd_reference, chunk_state_fwd_reference  # noqa: E402
-from torch_dplr.ops.varlen import varlen_chunk_tables  # noqa: E402
+from torch_dplr.ops.varlen import as_one_sequence_list, kernel_tables  # noqa: E402
 from torch_dplr.ops.wy import chunk_wy_bwd_reference, chunk_wy_fwd_reference  # noqa: E402
 from torch_dplr.testing import RWKV7_BOUND, make_inputs  # noqa: E402
 
@@ -118,14 +122,16 @@ def _rms_ratio(out, ref):
 
 
 def _run_kernel(cfg, inp, grads, cu, scale):
+    """Launch on the flattened sequence list; returns (dq, dk, da, db, dgk) in the inputs' shapes."""
     kern = tlc.build(intra_bwd_kernel, **cfg)
     q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
-    outs = [torch.full_like(x, float("nan")) for x in (q, k, a, b, gk)]
-    args = [q, k, a, b, gk, *(grads[n].contiguous() for n in GRAD_NAMES)]
-    if cfg["varlen"]:
-        start, length, _ = varlen_chunk_tables(cu, q.shape[1], cfg["C"])
-        args += [start, length]
-    kern(*args, float(scale), *outs)
+    B, T = q.shape[:2]
+    tables = kernel_tables(cu, B, T, cfg["C"], q.device)
+    outs = [torch.full(x.shape, math.nan, dtype=x.dtype, device=x.device) for x in (q, k, a, b, gk)]
+    inputs = (q, k, a, b, gk, *(grads[n] for n in GRAD_NAMES))
+    # contiguous outputs: the [1, B*L, ...] forms are views, the kernel writes into outs
+    kern(*map(as_one_sequence_list, inputs), tables.chunk_start, tables.chunk_len, float(scale),
+         *map(as_one_sequence_list, outs))
     return outs
 
 
@@ -155,18 +161,19 @@ def _gates_for(cfg):
 
 
 def _id(cfg):
-    return "C{C}-K{K}-{dtype}-{s}-{v}-gk_{gk_dtype}".format(
-        s="bnd" if cfg["bounded"] else "unb", v="varlen" if cfg["varlen"] else "rect", **cfg)
+    return "C{C}-K{K}-{dtype}-{s}-gk_{gk_dtype}".format(s="bnd" if cfg["bounded"] else "unb", **cfg)
 
 
+@pytest.mark.parametrize("layout", ["rect", "varlen"])
 @pytest.mark.parametrize("cfg", list(variants()), ids=_id)
-def test_variant_small(cfg):
-    """Every compiled variant at odd sizes: T not a multiple of C, varlen with 1-token, empty and
-    long sequences; random gradients with garbage in the masked dA parts."""
+def test_variant_small(cfg, layout):
+    """Every compiled variant at odd sizes, rect and varlen: T not a multiple of C, varlen with
+    1-token, empty and long sequences; random gradients with garbage in the masked dA parts."""
     dtype = DTYPES[cfg["dtype"]]
     gates, gscale, _ = _gates_for(cfg)
-    cu_list = VARLEN_CU if cfg["varlen"] else None
-    B, T = (1, VARLEN_CU[-1]) if cfg["varlen"] else (2, 157)
+    varlen = layout == "varlen"
+    cu_list = VARLEN_CU if varlen else None
+    B, T = (1, VARLEN_CU[-1]) if varlen else (2, 157)
     inp = _inputs(B, T, 3, cfg["K"], dtype, gates, cu_list, seed=cfg["C"] + cfg["K"], gate_scale=gscale)
     if cfg["gk_dtype"] != "float32":
         inp["gk"] = inp["gk"].to(dtype)
@@ -190,7 +197,7 @@ def test_real_size_pipeline_grads(C, gates, bounded):
     inp = _inputs(1, 2048, 16, 128, torch.bfloat16, gates, None, seed=C)
     cu = _cu(None)
     grads = _pipeline_grads(inp, C, cu, 1.0, seed=C)
-    cfg = dict(C=C, K=128, dtype="bfloat16", gk_dtype="float32", bounded=bounded, varlen=False)
+    cfg = dict(C=C, K=128, dtype="bfloat16", gk_dtype="float32", bounded=bounded)
     _check(cfg, inp, grads, cu, 1.0, torch.bfloat16)
 
 
@@ -200,7 +207,7 @@ def test_large_batch(bounded):
     inp = _inputs(2, 4096, 32, 128, torch.bfloat16, "rwkv7" if bounded else "unbounded", None, seed=11)
     cu = _cu(None)
     grads = _random_grads(inp, 64, cu, seed=11)
-    cfg = dict(C=64, K=128, dtype="bfloat16", gk_dtype="float32", bounded=bounded, varlen=False)
+    cfg = dict(C=64, K=128, dtype="bfloat16", gk_dtype="float32", bounded=bounded)
     _check(cfg, inp, grads, cu, 128 ** -0.5, torch.bfloat16)
 
 
@@ -213,7 +220,7 @@ def test_varlen_pipeline_grads(dtype):
     for gates, bounded in (("rwkv7", select_scheme(32, dtype, RWKV7_BOUND)), ("unbounded", False)):
         inp = _inputs(1, 2048, 16, 64, torch_dtype, gates, cu_list, seed=5)
         grads = _pipeline_grads(inp, 32, cu, 64 ** -0.5, seed=5)
-        cfg = dict(C=32, K=64, dtype=dtype, gk_dtype="float32", bounded=bounded, varlen=True)
+        cfg = dict(C=32, K=64, dtype=dtype, gk_dtype="float32", bounded=bounded)
         _check(cfg, inp, grads, cu, 64 ** -0.5, torch_dtype)
 
 
@@ -225,8 +232,20 @@ def test_extreme_unbounded_gates_finite():
     inp["gk"] = torch.where(hit, torch.full_like(inp["gk"], -40.0), inp["gk"])
     cu = _cu(None)
     grads = _random_grads(inp, 64, cu, seed=3)
-    cfg = dict(C=64, K=64, dtype="bfloat16", gk_dtype="float32", bounded=False, varlen=False)
+    cfg = dict(C=64, K=64, dtype="bfloat16", gk_dtype="float32", bounded=False)
     _check(cfg, inp, grads, cu, 1.0, torch.bfloat16)
+
+
+def test_variants_cover_every_dispatch_config():
+    """The dispatch builds C x K x dtype x scheme x gate dtype (fp32 or the input dtype); the
+    compile test and the precompiled cache cover exactly variants(), so the configs the tests
+    here run (all defaults, fp32 or input-dtype gates) are in it."""
+    listed = {(v["C"], v["K"], v["dtype"], v["bounded"], v["gk_dtype"]) for v in variants()}
+    expected = {(C, K, dt, bounded, gk)
+                for C, K, dt, bounded in itertools.product((16, 32, 64), (64, 128),
+                                                           ("bfloat16", "float16"), (True, False))
+                for gk in ("float32", dt)}
+    assert listed == expected and len(listed) == 48
 
 
 def test_select_scheme():

@@ -1,12 +1,16 @@
 """GPU parity of the TileLang intra-chunk forward kernel (csrc_tl/intra_fwd.py) against its
 PyTorch stage, ``chunk_intra_fwd_reference``, output by output.
 
-The kernel is called directly (no torch_dplr dispatch). Every variant is built through
+The kernel is called directly (no torch_dplr dispatch) in its one form, a list of sequences:
+rect inputs [B, T, ...] go in flattened to [1, B*T, ...] with the tables of
+``kernel_tables``, and the outputs are viewed back as [B, ...] and compared with the
+reference run on the original rect / varlen inputs. Every variant is built through
 csrc_tl.compile.build, so a disk cache filled by the precompile step answers without nvcc.
 Metric: RMS(out - ref) / RMS(ref) per output, plus finiteness of every output. The
 reference rounds its dtype outputs once too, so the bars sit a few times above the
 observed one-rounding disagreement (dtype outputs) and tf32 products (fp32 matrices).
 """
+import itertools
 import math
 
 import pytest
@@ -20,7 +24,7 @@ from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import intra_fwd as kmod  # noqa: E402
 from torch_dplr.ops.intra import chunk_intra_fwd_reference  # noqa: E402
 from torch_dplr.ops.shapes import allocate, intra_fwd_shapes  # noqa: E402
-from torch_dplr.ops.varlen import varlen_chunk_tables  # noqa: E402
+from torch_dplr.ops.varlen import as_one_sequence_list, kernel_tables  # noqa: E402
 from torch_dplr.testing import RWKV7_BOUND, make_inputs, rms_ratio  # noqa: E402
 
 NAMES = ("gl", "A_qk", "A_qb", "A_ak", "A_ab", "qg", "kg", "ag", "bg")
@@ -37,16 +41,17 @@ def _bound(gates):
 
 
 def run_kernel(q, k, a, b, gk, cu_seqlens, scale, chunk_size, scheme):
-    """Allocate the outputs as the op does and launch the kernel; returns the 9 outputs."""
-    varlen = cu_seqlens.numel() > 0
-    outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
+    """Allocate the outputs as the op does, launch the kernel on the flattened sequence list;
+    returns the 9 outputs in the op's shapes. Outputs start as NaN: an unwritten entry fails."""
+    B, T = q.shape[:2]
+    specs = intra_fwd_shapes(q, gk, cu_seqlens, chunk_size)
+    outs = [x.fill_(math.nan) for x in allocate(specs, q.device)]
     kernel = tlc.build(kmod.intra_fwd_kernel, C=chunk_size, K=q.shape[-1], dtype=q.dtype,
-                       scheme=scheme, varlen=varlen, gate_dtype=gk.dtype)
-    if varlen:
-        start, length, _ = varlen_chunk_tables(cu_seqlens, q.shape[1], chunk_size)
-        kernel(q, k, a, b, gk, start, length, float(scale), *outs)
-    else:
-        kernel(q, k, a, b, gk, float(scale), *outs)
+                       scheme=scheme, gate_dtype=gk.dtype)
+    tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
+    # contiguous outputs: the [1, B*L, ...] forms are views, the kernel writes into outs
+    kernel(*map(as_one_sequence_list, (q, k, a, b, gk)), tables.chunk_start, tables.chunk_len,
+           float(scale), *map(as_one_sequence_list, outs))
     return outs
 
 
@@ -86,27 +91,26 @@ def _schemes(chunk_size, gates):
     return out
 
 
-# Small odd sizes: every compiled variant (C x K x dtype x scheme x rect/varlen) once.
-# Varlen: a 1-token sequence, an empty one, partial chunks, a long one.
+# Small odd sizes: every compiled variant (C x K x dtype x scheme x gate dtype), rect and
+# varlen. Varlen: a 1-token sequence, an empty one, partial chunks, a long one.
 _CU = [0, 1, 1, 150, 151, 400, 437]
+_GATES = {"centred": "rwkv7", "tiled": "unbounded"}
 
 
-def _small_params():
-    for C in kmod.CHUNK_SIZES:
-        for K in kmod.HEAD_DIMS:
-            for dt in DTYPES:
-                for scheme, gates in (("centred", "rwkv7"), ("tiled", "unbounded")):
-                    for varlen in (False, True):
-                        yield pytest.param(C, K, dt, scheme, gates, varlen,
-                                           id=f"C{C}-K{K}-{dt}-{scheme}-{gates}-{'varlen' if varlen else 'rect'}")
+def _variant_id(cfg):
+    return "C{C}-K{K}-{dtype}-{scheme}-gk_{gate_dtype}".format(**cfg)
 
 
-@pytest.mark.parametrize("C,K,dt,scheme,gates,varlen", list(_small_params()))
-def test_small_odd(C, K, dt, scheme, gates, varlen):
-    if varlen:
-        check(1, _CU[-1], 3, K, DTYPES[dt], gates, C, scheme, cu=_CU, seed=1)
+@pytest.mark.parametrize("layout", ["rect", "varlen"])
+@pytest.mark.parametrize("cfg", list(kmod.variants()), ids=_variant_id)
+def test_small_odd(cfg, layout):
+    dt = DTYPES[cfg["dtype"]]
+    gate_dtype = None if cfg["gate_dtype"] == "float32" else dt
+    args = (cfg["K"], dt, _GATES[cfg["scheme"]], cfg["C"], cfg["scheme"])
+    if layout == "varlen":
+        check(1, _CU[-1], 3, *args, cu=_CU, gate_dtype=gate_dtype, seed=1)
     else:
-        check(2, 237, 3, K, DTYPES[dt], gates, C, scheme, seed=2)
+        check(2, 237, 3, *args, gate_dtype=gate_dtype, seed=2)
 
 
 @pytest.mark.parametrize("gates", ["rwkv7", "saturated", "unbounded"])
@@ -137,6 +141,18 @@ def test_varlen_real_size(scheme, gates):
 def test_gates_in_input_dtype(dt):
     for scheme in ("centred", "tiled"):
         check(1, 1000, 8, 64, DTYPES[dt], "rwkv7", 32, scheme, gate_dtype=DTYPES[dt], seed=7, scale=1.0)
+
+
+def test_variants_cover_every_dispatch_config():
+    """The dispatch builds C x K x dtype x scheme x gate dtype (fp32 or the input dtype);
+    the compile test and the precompiled cache cover exactly variants(), which therefore
+    holds every config the tests here run too."""
+    listed = {(v["C"], v["K"], v["dtype"], v["scheme"], v["gate_dtype"]) for v in kmod.variants()}
+    expected = {(C, K, dt, scheme, gate)
+                for C, K, dt, scheme in itertools.product(kmod.CHUNK_SIZES, kmod.HEAD_DIMS,
+                                                          kmod.DTYPES, kmod.SCHEMES)
+                for gate in ("float32", dt)}
+    assert listed == expected and len(listed) == 48
 
 
 def test_scheme_selection():

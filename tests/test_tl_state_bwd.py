@@ -16,7 +16,8 @@ from csrc_tl import state_bwd  # noqa: E402
 from torch_dplr.ops.intra import chunk_intra_fwd_reference  # noqa: E402
 from torch_dplr.ops.shapes import state_bwd_shapes  # noqa: E402
 from torch_dplr.ops.state import chunk_state_bwd_reference, chunk_state_fwd_reference  # noqa: E402
-from torch_dplr.ops.varlen import varlen_chunk_tables  # noqa: E402
+from torch_dplr.ops.varlen import as_one_sequence_list as flat  # noqa: E402
+from torch_dplr.ops.varlen import kernel_tables  # noqa: E402
 from torch_dplr.ops.wy import chunk_wy_fwd_reference  # noqa: E402
 from torch_dplr.testing import RWKV7_BOUND, make_inputs, rms_ratio  # noqa: E402
 
@@ -59,25 +60,21 @@ def _stage_inputs(B, T, H, K, C, dtype, gates, cu=None, seed=0):
 
 
 def _run_kernel(x, C, use_dht, use_initial_state):
-    """Allocate the op's outputs (NaN-filled), launch the kernel, return the outputs."""
+    """Allocate the op's outputs (NaN-filled), launch the kernel on the flattened one-sequence-
+    list form (a rect batch as cu_seqlens [0, T, 2T, ...]), return the outputs."""
     qg, v, gl, cu = x["qg"], x["v"], x["gl"], x["cu"]
     B, T, H, K = qg.shape
     V = v.shape[-1]
-    varlen = cu.numel() > 0
-    kernel = tlc.build(state_bwd.state_bwd_kernel, C=C, K=K, V=V, dtype=qg.dtype, varlen=varlen,
-                       use_dht=use_dht, use_initial_state=use_initial_state)
+    kernel = tlc.build(state_bwd.state_bwd_kernel, C=C, K=K, V=V, dtype=qg.dtype)
     outs = [torch.full(shape, float("nan"), dtype=dt, device=qg.device) for shape, dt in
             state_bwd_shapes(qg, x["kg"], x["bg"], x["w"], v, x["A_qk"], x["A_qb"], gl, x["h0"],
                              use_initial_state)]
-    if varlen:
-        _, _, offsets = varlen_chunk_tables(cu, T, C)
-        cu32 = cu.to(torch.int32)
-    else:
-        offsets = cu32 = torch.empty(0, dtype=torch.int32, device=qg.device)
+    tables = kernel_tables(cu, B, T, C, qg.device)
     dht = x["dht"] if use_dht else gl.new_empty(0, H, K, V)
     dh0 = outs[9].view(-1, H, K, V)  # (0, H, K, V) when absent
-    kernel(qg, x["kg"], x["bg"], x["w"], v, x["A_qk"], x["A_qb"], gl, x["h"], x["v_new"],
-           x["do"], dht, cu32, offsets, *outs[:9], dh0)
+    inputs = (qg, x["kg"], x["bg"], x["w"], v, x["A_qk"], x["A_qb"], gl, x["h"], x["v_new"], x["do"])
+    kernel(*map(flat, inputs), dht, tables.cu_seqlens, tables.chunk_offsets,
+           *map(flat, outs[:9]), dh0)
     return outs
 
 
@@ -167,6 +164,12 @@ def test_flags(use_dht, use_initial_state, varlen):
 def test_single_short_sequence():
     # T < C: one partial chunk per sequence, nothing prefetched
     _check(2, 5, 2, 128, 64, torch.bfloat16, "unbounded")
+
+
+def test_configs_are_variants():
+    # every config this file builds is one the CI compile test builds
+    built = [dict(C=C, K=K, V=K, dtype=str(dt).replace("torch.", "")) for C, K, dt in _SMALL]
+    assert all(cfg in list(state_bwd.variants()) for cfg in built)
 
 
 def test_deterministic():

@@ -1,7 +1,10 @@
 """GPU parity of the TileLang state-pass forward (csrc_tl/state_fwd.py) with its PyTorch kernel.
 
 The kernel is called directly (no op dispatch) on stage inputs made by the PyTorch reference
-stages (intra, WY) on CUDA, and every output is compared with
+stages (intra, WY) on CUDA, in the one form it has for rect and varlen: a list of sequences
+(a rect batch flattened to [1, B*T, ...] with cu_seqlens [0, T, 2T, ...], tables from
+``kernel_tables``; absent h0 / activations as size-0 tensors). Every output, read back in the
+op's shapes, is compared with
 ``torch_dplr.ops.state.chunk_state_fwd_reference``: o, the final state, and with
 ``keep_activations`` the per-chunk start states h and v_new. Metric RMS(err)/RMS(ref) with a
 bar per (dtype, split) plus finiteness; outputs are pre-filled with NaN so a row or slot the
@@ -26,9 +29,10 @@ pytestmark = pytest.mark.cuda
 from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import state_fwd as sf  # noqa: E402
 from torch_dplr.ops.intra import chunk_intra_fwd_reference  # noqa: E402
-from torch_dplr.ops.shapes import allocate, state_fwd_shapes  # noqa: E402
+from torch_dplr.ops.shapes import state_fwd_shapes  # noqa: E402
 from torch_dplr.ops.state import chunk_state_fwd_reference  # noqa: E402
-from torch_dplr.ops.varlen import varlen_chunk_tables  # noqa: E402
+from torch_dplr.ops.varlen import as_one_sequence_list as flat  # noqa: E402
+from torch_dplr.ops.varlen import kernel_tables  # noqa: E402
 from torch_dplr.ops.wy import chunk_wy_fwd_reference  # noqa: E402
 from torch_dplr.testing import RWKV7_BOUND, make_inputs  # noqa: E402
 
@@ -84,26 +88,20 @@ def stage_inputs(B, T, H, K, C, dtype, gates="rwkv7", cu=None, seed=0):
 
 
 def run_kernel(st, use_h0, keep, **config):
-    """Build (or fetch) the kernel for ``st`` and run it; returns (o, ht, h, v_new)."""
+    """Build (or fetch) the kernel for ``st`` and run it; returns (o, ht, h, v_new) in the op's
+    shapes (the kernel writes them through their flattened views)."""
     qg, v, gl, cu, C = st["qg"], st["v"], st["gl"], st["cu"], st["C"]
-    varlen = cu.numel() > 0
     B, T, H, K = qg.shape
-    kernel = tlc.build(sf.state_fwd_kernel, C=C, K=K, V=v.shape[-1], dtype=v.dtype,
-                       varlen=varlen, use_initial_state=use_h0, keep_activations=keep, **config)
-    outs = allocate(state_fwd_shapes(qg, v, gl, cu, keep), v.device)
-    for x in outs:
-        x.fill_(float("nan"))
-    o, ht, h, v_new = outs
-    args = [st[n] for n in ("qg", "kg", "bg", "w", "u", "v", "A_qk", "A_qb", "gl")]
-    if use_h0:
-        args.append(st["h0"])
-    if varlen:
-        _, _, offsets = varlen_chunk_tables(cu, T, C)
-        args += [cu.to(torch.int32), offsets]
-    args += [o, ht]
-    if keep:
-        args += [h, v_new]
-    kernel(*args)
+    V = v.shape[-1]
+    kernel = tlc.build(sf.state_fwd_kernel, C=C, K=K, V=V, dtype=v.dtype, **config)
+    o, ht, h, v_new = (torch.full(shape, float("nan"), dtype=dt, device=v.device)
+                       for shape, dt in state_fwd_shapes(qg, v, gl, cu, keep))
+    tables = kernel_tables(cu, B, T, C, v.device)
+    h0 = st["h0"] if use_h0 else gl.new_empty(0, H, K, V)
+    # size 0 (Sh == 0): the kernel writes no activations
+    kept = (flat(h), flat(v_new)) if keep else (gl.new_empty(1, 0, H, K, V), v.new_empty(1, 0, H, V))
+    inputs = (st[n] for n in ("qg", "kg", "bg", "w", "u", "v", "A_qk", "A_qb", "gl"))
+    kernel(*map(flat, inputs), h0, tables.cu_seqlens, tables.chunk_offsets, flat(o), ht, *kept)
     torch.cuda.synchronize()
     return o, ht, h, v_new
 
@@ -220,8 +218,11 @@ def test_schedule_knobs(knobs, K, C):
 
 
 def test_configs_used_here_are_in_variants():
-    """The compile test's variant list covers the default configs this file runs."""
-    listed = {(v["C"], v["K"], v["dtype"], v["varlen"], v["use_initial_state"],
-               v["keep_activations"]) for v in sf.variants()}
-    assert (64, 128, "bfloat16", False, True, True) in listed
-    assert len(listed) == 3 * 2 * 2 * 2 * 2 * 2
+    """One variant per (C, K=V, dtype) serves rect, varlen, with or without h0 and kept
+    activations; the compile test's list holds every default config this file runs."""
+    listed = list(sf.variants())
+    assert len(listed) == 3 * 2 * 2
+    assert all(set(cfg) == {"C", "K", "V", "dtype"} for cfg in listed)
+    used = [(C, K, "bfloat16") for C in (16, 32, 64) for K in (64, 128)]
+    used += [(32, 64, "float16"), (64, 128, "float16"), (16, 128, "float16")]
+    assert all(dict(C=C, K=K, V=K, dtype=dt) in listed for C, K, dt in used)
