@@ -6,6 +6,7 @@ One module per kernel family; each exposes pure factories
 kernel for sm_90a. Nothing here dispatches on tensors or registers ops.
 """
 
-from .compile import TARGET, build, canonical_dtype, clear_cache, trace
+from .compile import TARGET, build, build_all, canonical_dtype, clear_cache, in_memory, on_disk, trace
 
-__all__ = ["TARGET", "build", "canonical_dtype", "clear_cache", "trace"]
+__all__ = ["TARGET", "build", "build_all", "canonical_dtype", "clear_cache", "in_memory", "on_disk",
+           "trace"]

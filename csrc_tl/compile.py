@@ -28,8 +28,13 @@ next to the kernel rather than at each call site.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import importlib
+import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +48,9 @@ __all__ = [
     "kernel_options",
     "clear_cache",
     "cached_keys",
+    "build_all",
+    "on_disk",
+    "in_memory",
 ]
 
 #: The one target every kernel is built for (H200). ``sm_90a`` rather than
@@ -191,3 +199,106 @@ def clear_cache() -> None:
 def cached_keys() -> list[tuple]:
     with _lock:
         return list(_kernels)
+
+
+# ---- building many kernels at once (first use, precompile, the CI compile test) ----
+
+
+def _cache_dir() -> str:
+    # read at call time, like TileLang does, so tests can point it elsewhere
+    return os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+
+
+def _marker(factory: Callable[..., Any], key: tuple) -> str:
+    """A file that says "this exact kernel is in TileLang's disk cache": the factory's module
+    source and the TileLang version are part of its name, so an edited kernel misses."""
+    import tilelang
+
+    module = sys.modules[factory.__module__]
+    with open(module.__file__, "rb") as f:
+        source = f.read()
+    digest = hashlib.sha256(source + repr((key, TARGET, tilelang.__version__)).encode()).hexdigest()
+    return os.path.join(_cache_dir(), "torch_dplr-built", digest[:32])
+
+
+def in_memory(factory: Callable[..., Any], /, **config: Any) -> bool:
+    """Whether this process has already built the kernel."""
+    return cache_key(factory, config) in _kernels
+
+
+def on_disk(factory: Callable[..., Any], /, **config: Any) -> bool:
+    """Whether ``build`` would load this kernel from the disk cache (no nvcc)."""
+    return os.path.exists(_marker(factory, cache_key(factory, config)))
+
+
+def _mark_built(factory: Callable[..., Any], key: tuple) -> None:
+    path = _marker(factory, key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(repr(key))
+
+
+def _build_in_worker(module: str, name: str, config: dict[str, Any]) -> float:
+    # runs in a spawned process: compile into the shared disk cache
+    start = time.perf_counter()
+    build(getattr(importlib.import_module(module), name), **config)
+    return time.perf_counter() - start
+
+
+def _describe(factory: Callable[..., Any], config: Mapping[str, Any]) -> str:
+    values = " ".join(f"{k}={v}" for k, v in config.items())
+    return f"{factory.__module__.rsplit('.', 1)[-1]} {values}"
+
+
+def build_all(items, workers: int | None = None, progress: Callable[[str], None] | None = None,
+              load: bool = True):
+    """Compiled kernels for ``items`` (``(factory, config)`` pairs), in order.
+
+    Kernels not yet in the disk cache are compiled first, in parallel, by up to ``workers``
+    spawned processes (default: one per CPU core); ``progress`` gets one line per finished
+    kernel. Then every kernel is built here, from the disk cache (``load=False`` stops after
+    compiling and returns None). A compile error names the kernel and its config.
+    """
+    items = [(factory, dict(config)) for factory, config in items]
+    missing = [(f, c) for f, c in items
+               if cache_key(f, c) not in _kernels and not on_disk(f, **c)]
+    if len(missing) > 1:
+        _compile_in_processes(missing, workers or os.cpu_count() or 1, progress)
+    if not load:
+        for factory, config in missing[:1] if len(missing) == 1 else ():
+            build(factory, **config)
+            _mark_built(factory, cache_key(factory, config))
+        return None
+    kernels = []
+    for factory, config in items:
+        kernels.append(build(factory, **config))
+        _mark_built(factory, cache_key(factory, config))
+    return kernels
+
+
+def _compile_in_processes(missing, workers: int, progress) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    say = progress or (lambda line: None)
+    start = time.perf_counter()
+    say(f"compiling {len(missing)} TileLang kernels for {TARGET['arch']} with "
+        f"{min(workers, len(missing))} processes (once; cached in {_cache_dir()})")
+    context = multiprocessing.get_context("spawn")  # no fork after CUDA was initialised
+    errors = []
+    with ProcessPoolExecutor(min(workers, len(missing)), mp_context=context) as pool:
+        futures = {pool.submit(_build_in_worker, f.__module__, f.__qualname__, c): (f, c)
+                   for f, c in missing}
+        for done, future in enumerate(as_completed(futures), 1):
+            factory, config = futures[future]
+            try:
+                seconds = future.result()
+            except Exception as exc:  # noqa: BLE001 (reported together below)
+                errors.append(f"{_describe(factory, config)}: {type(exc).__name__}: {exc}")
+                say(f"[{done}/{len(missing)}] FAILED {_describe(factory, config)}")
+                continue
+            _mark_built(factory, cache_key(factory, config))
+            say(f"[{done}/{len(missing)}] {_describe(factory, config)} ({seconds:.1f} s)")
+    say(f"compiled {len(missing) - len(errors)} kernels in {time.perf_counter() - start:.1f} s")
+    if errors:
+        raise RuntimeError("TileLang kernels failed to compile:\n" + "\n".join(errors))

@@ -12,16 +12,16 @@ import torch
 from ..reference import intra as ref
 from .chunked import ChunkedView, without_autocast
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
-from .tilelang_path import CHUNK_SIZES, tilelang_usable
-from .varlen import varlen_chunk_tables
-
-INTRA_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+from .kernels import kernel_for
+from .tilelang_path import kernels_apply
+from .varlen import as_one_sequence_list as flat
+from .varlen import kernel_tables
 
 
 def _intra_kernel_applies(q, gk, chunk_size) -> bool:
-    return (q.dtype in INTRA_KERNEL_DTYPES and gk.dtype in (torch.float32, q.dtype)
-            and q.shape[-1] in (64, 128) and chunk_size in CHUNK_SIZES
-            and tilelang_usable(q.device))
+    # gates in fp32 or in the data dtype; the state kernels need V = K, assumed here
+    K = q.shape[-1]
+    return gk.dtype in (torch.float32, q.dtype) and kernels_apply(q, chunk_size, K, K)
 
 
 Tensors9 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -50,19 +50,15 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
 @chunk_intra_fwd.register_kernel("cuda")
 @without_autocast
 def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
-    K = q.shape[-1]
-    if not (_intra_kernel_applies(q, gk, chunk_size) and q.numel() > 0):
+    if not _intra_kernel_applies(q, gk, chunk_size):
         return chunk_intra_fwd_reference(q, k, a, b, gk, cu_seqlens, scale, chunk_size,
                                          lower_bound)
-    from csrc_tl import build, intra_fwd
+    B, T, _, K = q.shape
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
-    varlen = cu_seqlens.numel() > 0
-    kernel = build(intra_fwd.intra_fwd_kernel, C=chunk_size, K=K, dtype=q.dtype,
-                   scheme=intra_fwd.scheme_for(chunk_size, lower_bound), varlen=varlen,
-                   gate_dtype=gk.dtype)
-    tables = varlen_chunk_tables(cu_seqlens, q.shape[1], chunk_size)[:2] if varlen else ()
-    inputs = [x.contiguous() for x in (q, k, a, b, gk)]
-    kernel(*inputs, *tables, float(scale), *outs)
+    kernel = kernel_for("intra_fwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
+    tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
+    kernel(*map(flat, (q, k, a, b, gk)), tables.chunk_start, tables.chunk_len, float(scale),
+           *map(flat, outs))
     return outs
 
 
@@ -95,18 +91,16 @@ def _(q, k, a, b, gk, cu_seqlens, *rest):
 def _(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
       chunk_size, lower_bound):
     grads = (dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg)
-    if not (_intra_kernel_applies(q, gk, chunk_size) and q.numel() > 0):
+    # the backward kernel puts chunk slots on grid y (at most 65535: ~1M tokens at chunk 16)
+    if not (_intra_kernel_applies(q, gk, chunk_size) and dgl.shape[0] * dgl.shape[1] <= 65535):
         return chunk_intra_bwd_reference(q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size,
                                          lower_bound)
-    from csrc_tl import build, intra_bwd
+    B, T, _, K = q.shape
     outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
-    varlen = cu_seqlens.numel() > 0
-    kernel = build(intra_bwd.intra_bwd_kernel, C=chunk_size, K=q.shape[-1], dtype=q.dtype,
-                   gk_dtype=gk.dtype, varlen=varlen,
-                   bounded=intra_bwd.select_scheme(chunk_size, q.dtype, lower_bound))
-    tables = varlen_chunk_tables(cu_seqlens, q.shape[1], chunk_size)[:2] if varlen else ()
-    inputs = [x.contiguous() for x in (q, k, a, b, gk, *grads)]
-    kernel(*inputs, *tables, float(scale), *outs)
+    kernel = kernel_for("intra_bwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
+    tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
+    kernel(*map(flat, (q, k, a, b, gk, *grads)), tables.chunk_start, tables.chunk_len,
+           float(scale), *map(flat, outs))
     return outs
 
 

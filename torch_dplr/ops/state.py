@@ -13,12 +13,10 @@ from torch import Tensor
 from ..reference import state as ref
 from .chunked import ChunkedView, start_state, without_autocast
 from .shapes import allocate, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
-from .tilelang_path import CHUNK_SIZES, tilelang_usable
-from .varlen import varlen_chunk_tables
-
-STATE_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-
-
+from .kernels import kernel_for
+from .tilelang_path import kernels_apply
+from .varlen import as_one_sequence_list as flat
+from .varlen import kernel_tables
 
 @without_autocast
 def chunk_state_fwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v: Tensor,
@@ -52,26 +50,21 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
 @without_autocast
 def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
       use_initial_state, keep_activations):
-    K, V = qg.shape[-1], v.shape[-1]
-    if not (v.dtype in STATE_KERNEL_DTYPES and K in (64, 128) and V in (64, 128)
-            and v.numel() > 0 and chunk_size in CHUNK_SIZES and tilelang_usable(v.device)):
+    B, T, H, K = qg.shape
+    V = v.shape[-1]
+    if not kernels_apply(v, chunk_size, K, V):
         return chunk_state_fwd_reference(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state,
                                          cu_seqlens, chunk_size, use_initial_state,
                                          keep_activations)
-    from csrc_tl import build, state_fwd
     o, ht, h, v_new = allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations),
                                v.device)
-    varlen = cu_seqlens.numel() > 0
-    kernel = build(state_fwd.state_fwd_kernel, C=chunk_size, K=K, V=V, dtype=v.dtype,
-                   varlen=varlen, use_initial_state=use_initial_state,
-                   keep_activations=keep_activations)
-    args = [x.contiguous() for x in (qg, kg, bg, w, u, v, A_qk, A_qb, gl)]
-    if use_initial_state:
-        args.append(initial_state.float().contiguous())
-    if varlen:
-        offsets = varlen_chunk_tables(cu_seqlens, v.shape[1], chunk_size)[2]
-        args += [cu_seqlens.to(torch.int32), offsets]
-    kernel(*args, o, ht, *((h, v_new) if keep_activations else ()))
+    tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
+    h0 = initial_state.float() if use_initial_state else ht.new_empty(0, H, K, V)
+    kernel = kernel_for("state_fwd", chunk_size, K, V, v.dtype)
+    # h / v_new are size 0 without keep_activations: the kernel then writes neither
+    kept = (flat(h), flat(v_new)) if keep_activations else (h.view(1, 0, H, K, V), v_new.view(1, 0, H, V))
+    kernel(*map(flat, (qg, kg, bg, w, u, v, A_qk, A_qb, gl)), h0.contiguous(),
+           tables.cu_seqlens, tables.chunk_offsets, flat(o), ht, *kept)
     return o, ht, h, v_new
 
 
@@ -115,29 +108,21 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
 @without_autocast
 def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens, chunk_size,
       use_initial_state, use_dht):
-    K, V = qg.shape[-1], v.shape[-1]
-    # K = V = 128 stays on the PyTorch kernel until the TileLang kernel's dgl bug is fixed
-    # (csrc_tl/state_bwd.py, use_h).
-    if not (v.dtype in STATE_KERNEL_DTYPES and K == V == 64
-            and v.numel() > 0 and chunk_size in CHUNK_SIZES and tilelang_usable(v.device)):
+    B, T, H, K = qg.shape
+    V = v.shape[-1]
+    if not kernels_apply(v, chunk_size, K, V):
         return chunk_state_bwd_reference(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
                                          initial_state, cu_seqlens, chunk_size,
                                          use_initial_state, use_dht)
-    from csrc_tl import build, state_bwd
     outs = allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
                                      use_initial_state), v.device)
-    varlen = cu_seqlens.numel() > 0
-    kernel = build(state_bwd.state_bwd_kernel, C=chunk_size, K=K, V=V, dtype=v.dtype,
-                   varlen=varlen, use_dht=use_dht, use_initial_state=use_initial_state)
-    H = qg.shape[2]
-    if varlen:
-        offsets = varlen_chunk_tables(cu_seqlens, v.shape[1], chunk_size)[2]
-        cu32 = cu_seqlens.to(torch.int32)
-    else:
-        offsets = cu32 = torch.empty(0, dtype=torch.int32, device=v.device)
+    tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
+    # dht / dh0 with no rows tell the kernel to start from zero / not to write dh0
     dht4 = dht.float().reshape(-1, H, K, V) if use_dht else gl.new_empty(0, H, K, V)
-    inputs = [x.contiguous() for x in (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do)]
-    kernel(*inputs, dht4.contiguous(), cu32, offsets, *outs[:9], outs[9].view(-1, H, K, V))
+    kernel = kernel_for("state_bwd", chunk_size, K, V, v.dtype)
+    inputs = map(flat, (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do))
+    kernel(*inputs, dht4.contiguous(), tables.cu_seqlens, tables.chunk_offsets,
+           *map(flat, outs[:9]), outs[9].view(-1, H, K, V))
     return outs
 
 

@@ -1,7 +1,8 @@
 """Whether a CUDA call may run a TileLang kernel; otherwise the op keeps its PyTorch kernel.
 
-Kernels are built for sm_90a (H200/H100) only.  ``TORCH_DPLR_DISABLE_TILELANG=1`` forces the
-PyTorch kernels (for debugging); it is read inside op bodies at run time, never while tracing.
+Kernels are built for sm_90a (H200/H100) only, for the configurations of
+:func:`kernels_apply`.  ``TORCH_DPLR_DISABLE_TILELANG=1`` forces the PyTorch kernels (for
+debugging); it is read inside op bodies at run time, never while tracing.
 """
 from __future__ import annotations
 
@@ -28,9 +29,14 @@ def tilelang_usable(device: torch.device) -> bool:
     return _device_ok(index)
 
 
-KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 CHUNK_SIZES = (16, 32, 64)
+HEAD_DIMS = (64, 128)
 
 
-def head_dims_ok(*dims: int) -> bool:
-    return all(d % 16 == 0 and 16 <= d <= 256 for d in dims)
+def kernels_apply(x: torch.Tensor, chunk_size: int, K: int, V: int) -> bool:
+    """Whether a call whose data tensor is ``x`` runs TileLang kernels: bf16/fp16 data,
+    K = V in {64, 128}, chunk 16/32/64, a non-empty input on an sm_90 GPU.  Everything else
+    (other head sizes, fp32/fp64 data, other GPUs) keeps the PyTorch kernels."""
+    return (x.dtype in KERNEL_DTYPES and K == V and K in HEAD_DIMS and chunk_size in CHUNK_SIZES
+            and x.numel() > 0 and tilelang_usable(x.device))

@@ -1,22 +1,40 @@
-"""Varlen chunk tables built on the device from ``cu_seqlens``: no host sync, fixed sizes.
+"""Chunk tables for the GPU kernels, built on the device: no host sync, fixed sizes.
 
-GPU kernels over chunk slots read ``chunk_start``/``chunk_len`` (a slot past the last real
-chunk has length 0 and is skipped); kernels over sequences read ``cu_seqlens`` and
-``seq_chunk_offsets`` (slot of each sequence's first chunk).  Sizes depend only on shapes:
-``slots = ceil(T/C) + N - 1``, the same upper bound the per-chunk outputs use.
+Every TileLang kernel sees one list of sequences (token tensors ``[1, T, H, D]``): a rect
+batch ``[B, T, ...]`` is passed as the ``B`` sequences ``cu_seqlens = [0, T, 2T, ...]`` of a
+flattened ``[1, B*T, ...]`` view, which is how the kernels come in one variant for both
+layouts.  Kernels over chunk slots read ``chunk_start``/``chunk_len`` (a slot past the last
+real chunk has length 0); kernels over sequences read ``cu_seqlens`` and ``chunk_offsets``
+(the slot of each sequence's first chunk).  Slot numbering matches the ops' per-chunk tensors:
+rect ``b * ceil(T/C) + c`` (so ``[B, slots, ...]`` flattens to ``[1, B*slots, ...]``), varlen
+``chunk_offsets[n] + c`` inside ``ceil(T/C) + N - 1`` slots.
 """
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
 from ..reference.layout import chunk_slots_per_batch
 
 
-def varlen_chunk_tables(cu_seqlens: torch.Tensor, T: int, chunk_size: int):
-    """Returns int32 ``(chunk_start [slots], chunk_len [slots], seq_chunk_offsets [N+1])``."""
+class KernelTables(NamedTuple):
+    cu_seqlens: torch.Tensor     # int32 [N+1]
+    chunk_start: torch.Tensor    # int32 [slots], first token of each slot
+    chunk_len: torch.Tensor      # int32 [slots], rows of each slot (0: unused)
+    chunk_offsets: torch.Tensor  # int32 [N+1], slot of each sequence's first chunk
+
+
+def varlen_chunk_tables(cu_seqlens: torch.Tensor, T: int, chunk_size: int, slots: int | None = None):
+    """Returns int32 ``(chunk_start [slots], chunk_len [slots], chunk_offsets [N+1])``.
+
+    ``slots`` defaults to the varlen bound ``ceil(T/C) + N - 1``.
+    """
     cu = cu_seqlens.to(torch.int64)
     N = cu.shape[0] - 1
-    slots = chunk_slots_per_batch(T, chunk_size, N)
+    if slots is None:
+        slots = chunk_slots_per_batch(T, chunk_size, N)
     lens = cu[1:] - cu[:-1]
     nchunks = (lens + chunk_size - 1) // chunk_size
     ends = torch.cumsum(nchunks, 0)
@@ -27,3 +45,27 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, T: int, chunk_size: int):
     length = (cu[seq + 1] - start).clamp(0, chunk_size)
     length = torch.where(slot < ends[-1], length, 0)
     return start.to(torch.int32), length.to(torch.int32), offsets.to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _rect_tables(B: int, T: int, chunk_size: int, device: torch.device) -> KernelTables:
+    # a rect batch's tables depend on (B, T, C) only: built once, reused by every call
+    cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+    slots = B * chunk_slots_per_batch(T, chunk_size, None)
+    return KernelTables(cu, *varlen_chunk_tables(cu, B * T, chunk_size, slots))
+
+
+def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
+                  device: torch.device) -> KernelTables:
+    """Tables for a rect (``cu_seqlens.numel() == 0``: ``B`` sequences of ``T``) or varlen call."""
+    if cu_seqlens.numel() == 0:
+        return _rect_tables(B, T, chunk_size, torch.device(device))
+    return KernelTables(cu_seqlens.to(torch.int32), *varlen_chunk_tables(cu_seqlens, T, chunk_size))
+
+
+def as_one_sequence_list(x: torch.Tensor) -> torch.Tensor:
+    """``[B, L, ...]`` -> contiguous ``[1, B*L, ...]`` (a view when already contiguous): the
+    flattened form in which kernels see token tensors ``[B, T, ...]`` and per-chunk tensors
+    ``[B, slots, ...]`` alike."""
+    x = x.contiguous()
+    return x.view(1, x.shape[0] * x.shape[1], *x.shape[2:])

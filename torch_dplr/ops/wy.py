@@ -10,7 +10,10 @@ from torch import Tensor
 from ..reference import wy as ref
 from .chunked import ChunkedView, without_autocast
 from .shapes import acc_dtype, allocate, wy_bwd_shapes, wy_fwd_shapes, zeros_for_missing
-from .tilelang_path import CHUNK_SIZES, KERNEL_DTYPES, head_dims_ok, tilelang_usable
+from .kernels import kernel_for
+from .tilelang_path import kernels_apply
+from .varlen import as_one_sequence_list as flat
+from .varlen import kernel_tables
 
 
 @without_autocast
@@ -34,15 +37,14 @@ def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
 @chunk_wy_fwd.register_kernel("cuda")
 @without_autocast
 def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
-    K, V = ag.shape[-1], v.shape[-1]
-    if not (cu_seqlens.numel() == 0 and chunk_size in CHUNK_SIZES and ag.dtype in KERNEL_DTYPES
-            and head_dims_ok(K, V)
-            and A_ab.dtype == acc_dtype(ag.dtype) and tilelang_usable(v.device)):
+    B, T, _, K = ag.shape
+    V = v.shape[-1]
+    if not (kernels_apply(v, chunk_size, K, V) and A_ab.dtype == acc_dtype(v.dtype)):
         return chunk_wy_fwd_reference(A_ab, A_ak, ag, v, cu_seqlens, chunk_size)
-    from csrc_tl import build, wy_fwd
     outs = allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
-    kernel = build(wy_fwd.wy_fwd_kernel, C=chunk_size, K=K, V=V, dtype=ag.dtype)
-    kernel(A_ab.contiguous(), A_ak.contiguous(), ag.contiguous(), v.contiguous(), *outs)
+    tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
+    kernel = kernel_for("wy_fwd", chunk_size, K, V, v.dtype)
+    kernel(*map(flat, (A_ab, A_ak, ag, v)), tables.chunk_start, tables.chunk_len, *map(flat, outs))
     return outs
 
 
@@ -63,6 +65,21 @@ chunk_wy_bwd = torch.library.custom_op("dplr::chunk_wy_bwd", mutates_args=())(ch
 @chunk_wy_bwd.register_fake
 def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size):
     return allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
+
+
+@chunk_wy_bwd.register_kernel("cuda")
+@without_autocast
+def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size):
+    B, T, _, K = ag.shape
+    V = v.shape[-1]
+    if not (kernels_apply(v, chunk_size, K, V) and A_ab_inv.dtype == acc_dtype(v.dtype)):
+        return chunk_wy_bwd_reference(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size)
+    outs = allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
+    tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
+    kernel = kernel_for("wy_bwd", chunk_size, K, V, v.dtype)
+    kernel(*map(flat, (A_ab_inv, A_ak, ag, v, dw, du)), tables.chunk_start, tables.chunk_len,
+           *map(flat, outs))
+    return outs
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,0 +1,87 @@
+"""Which TileLang kernel runs an op call, and compiling a call's kernels before first use.
+
+Each ``*_kernel`` function maps the static facts of a call (chunk size, head dims, dtypes,
+declared gate bound) to the compiled kernel.  The first call that needs a kernel not yet in
+memory compiles every kernel of the whole forward+backward pipeline for that configuration at
+once, in parallel processes, with a progress line per kernel on stderr (set
+``TORCH_DPLR_QUIET=1`` to silence it); later calls, other batch sizes, lengths and varlen
+layouts reuse them (every size is symbolic in the kernels).  ``precompile`` does the same
+ahead of time.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+
+import torch
+
+_ready: set[tuple] = set()  # pipelines whose kernels are all built in this process
+_kernels: dict[tuple, object] = {}  # (op, configuration) -> kernel: the per-call fast path
+_lock = threading.Lock()
+
+
+def _tl():
+    import csrc_tl  # deferred: importing TileLang costs ~2 s
+    from csrc_tl import intra_bwd, intra_fwd, state_bwd, state_fwd, wy_bwd, wy_fwd
+    return csrc_tl, intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: torch.dtype,
+             lower_bound: float) -> dict[str, tuple]:
+    """``{op name: (factory, config)}`` for the six kernels of one configuration."""
+    _, intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd = _tl()
+    C, dt, gdt = chunk_size, _name(dtype), _name(gate_dtype)
+    return {
+        "intra_fwd": (intra_fwd.intra_fwd_kernel,
+                      dict(C=C, K=K, dtype=dt, gate_dtype=gdt,
+                           scheme=intra_fwd.scheme_for(C, lower_bound))),
+        "intra_bwd": (intra_bwd.intra_bwd_kernel,
+                      dict(C=C, K=K, dtype=dt, gk_dtype=gdt,
+                           bounded=intra_bwd.select_scheme(C, dtype, lower_bound))),
+        "wy_fwd": (wy_fwd.wy_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
+        "wy_bwd": (wy_bwd.wy_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
+        "state_fwd": (state_fwd.state_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
+        "state_bwd": (state_bwd.state_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
+    }
+
+
+def _progress(line: str) -> None:
+    if os.environ.get("TORCH_DPLR_QUIET") != "1":
+        print(f"torch_dplr: {line}", file=sys.stderr, flush=True)
+
+
+def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
+               gate_dtype: torch.dtype = torch.float32, lower_bound: float = float("-inf"),
+               workers: int | None = None) -> None:
+    """Compile (or load from the disk cache) every kernel of one configuration."""
+    key = (chunk_size, K, V, dtype, gate_dtype, lower_bound)
+    with _lock:
+        if key in _ready:
+            return
+        csrc_tl = _tl()[0]
+        csrc_tl.build_all(pipeline(*key).values(), workers=workers, progress=_progress)
+        _ready.add(key)
+
+
+def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
+               gate_dtype: torch.dtype = torch.float32, lower_bound: float = float("-inf")):
+    """The compiled kernel of ``op`` for this configuration.  A kernel this process has not
+    built yet brings its whole pipeline with it (compiled in parallel, see the module doc);
+    WY and state ops, which don't see the gates, name the default gate configuration, and
+    find their kernel already built when the intra op of the same call ran first."""
+    key = (chunk_size, K, V, dtype, gate_dtype, lower_bound)
+    kernel = _kernels.get((op, key))
+    if kernel is None:
+        csrc_tl = _tl()[0]
+        factory, config = pipeline(*key)[op]
+        if not csrc_tl.in_memory(factory, **config):
+            precompile(*key)
+        kernel = _kernels[(op, key)] = csrc_tl.build(factory, **config)
+    return kernel

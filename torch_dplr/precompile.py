@@ -1,0 +1,65 @@
+"""``python -m torch_dplr precompile``: compile the TileLang kernels before first use.
+
+Without options it compiles every kernel variant the library can run (about 150; a GPU host
+with 16 cores needs a few minutes, once); with ``--chunk-size``/``--head-dim``/``--dtype``
+only the six kernels of that configuration (what a first call would compile).  Kernels land
+in TileLang's disk cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``).  No GPU is
+needed: a cache filled on a CPU machine with nvcc serves the H100/H200.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd")
+
+
+def every_variant():
+    """``(factory, config)`` for every kernel variant of every module."""
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"csrc_tl.{name}")
+        factory = getattr(module, f"{name}_kernel")
+        for config in module.variants():
+            yield factory, config
+
+
+def main(argv=None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="python -m torch_dplr precompile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunk-size", type=int, choices=(16, 32, 64))
+    parser.add_argument("--head-dim", type=int, choices=(64, 128), help="K = V")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--gate-dtype", choices=("float32", "same"), default="float32",
+                        help="dtype of gk: float32 or the same as --dtype")
+    parser.add_argument("--lower-bound", type=float, default=float("-inf"),
+                        help="declared gate bound (e.g. -0.6065 for RWKV-7)")
+    parser.add_argument("--workers", type=int, default=None, help="compile processes (default: cores)")
+    args = parser.parse_args(argv)
+    try:
+        import csrc_tl
+    except ImportError as exc:
+        print(f"TileLang is not installed ({exc}); install the 'cuda' extra", file=sys.stderr)
+        return 1
+    from .ops.kernels import _progress, pipeline
+
+    start = time.perf_counter()
+    if args.chunk_size is None and args.head_dim is None:
+        items = list(every_variant())
+    elif args.chunk_size is None or args.head_dim is None:
+        parser.error("--chunk-size and --head-dim go together (or neither, for every variant)")
+    else:
+        dtype = getattr(torch, args.dtype)
+        gate = dtype if args.gate_dtype == "same" else torch.float32
+        items = list(pipeline(args.chunk_size, args.head_dim, args.head_dim, dtype, gate,
+                              args.lower_bound).values())
+    csrc_tl.build_all(items, workers=args.workers, progress=_progress, load=False)
+    print(f"{len(items)} kernels ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
