@@ -1,8 +1,17 @@
-"""Fixtures for the torch.compile tests (helpers live in ``_support``)."""
+"""Fixtures for the torch.compile tests (helpers and the device / head-size knobs live in
+``_support``)."""
 import pytest
 import torch
 
-from ._support import GraphRecorder
+from ._support import GraphRecorder, device_unavailable
+
+
+@pytest.fixture(autouse=True)
+def test_device_present():
+    """TORCH_DPLR_TEST_DEVICE=cuda without a GPU skips every test here (and only here)."""
+    reason = device_unavailable()
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(autouse=True)

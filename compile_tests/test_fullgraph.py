@@ -9,9 +9,10 @@ import torch
 
 import torch_dplr
 
-from ._support import (CHUNK_BWD, CHUNK_FWD, INDUCTOR_TOL, RECURRENT_BWD, RECURRENT_FWD,
-                       assert_all_close, block_input, chunk_fn, differentiable, make_block,
-                       make_inputs, recurrent_fn, run_and_grad)
+from ._support import (CHUNK_BWD, CHUNK_FWD, DEVICE, HEAD_DIM, INDUCTOR_DTYPES, INDUCTOR_TOL,
+                       N_HEADS, RECURRENT_BWD, RECURRENT_FWD, assert_all_close, block_input,
+                       chunk_fn, differentiable, dtype_id, index_tensor, make_block, make_inputs,
+                       on_device, recurrent_fn, run_and_grad)
 
 VARLEN = [0, 13, 20, 51]  # 3 sequences: one within a chunk, one crossing two chunk boundaries
 
@@ -122,8 +123,9 @@ def test_chunk_dplr_strided_inputs_fullgraph(recorder):
     """q, k, v as views of one fused projection (non-contiguous, the usual model code): the
     compiled op reads them with their strides, as eager does and as contiguous copies give."""
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(2, 40, 3, 2, 8, generator=g).requires_grad_()
-    gk = torch.nn.functional.logsigmoid(torch.randn(2, 40, 2, 8, generator=g)).requires_grad_()
+    qkv = on_device(torch.randn(2, 40, 3, N_HEADS, HEAD_DIM, generator=g)).requires_grad_()
+    gk = torch.nn.functional.logsigmoid(torch.randn(2, 40, N_HEADS, HEAD_DIM, generator=g))
+    gk = on_device(gk).requires_grad_()
 
     def fn(qkv, gk, contiguous=False):
         q, k, v = (t.contiguous() if contiguous else t for t in qkv.unbind(2))
@@ -167,8 +169,9 @@ def test_rwkv7_block_fullgraph(recorder, dtype):
 def test_rwkv7_block_with_state_varlen_fullgraph(recorder):
     """State passing and packed sequences through the block (all gradients incl. the state)."""
     block, x = make_block(), block_input(B=1, T=VARLEN[-1])
-    state = torch.randn(len(VARLEN) - 1, 2, 8, 8, requires_grad=True)
-    cu = torch.tensor(VARLEN)
+    # drawn from the global generator, which make_block has just seeded
+    state = on_device(torch.randn(len(VARLEN) - 1, N_HEADS, HEAD_DIM, HEAD_DIM)).requires_grad_()
+    cu = index_tensor(VARLEN)
     compiled = torch.compile(block, backend=recorder, fullgraph=True)
     tensors = [x, state, *block.parameters()]
     out_c, grads_c = run_and_grad(compiled, tensors, x, state, cu)
@@ -187,10 +190,12 @@ def test_rwkv7_block_explain_no_graph_break():
     assert explanation.graph_count == 1
 
 
-def test_rwkv7_block_inductor(inductor_recorder):
+@pytest.mark.parametrize("dtype", INDUCTOR_DTYPES, ids=dtype_id)
+def test_rwkv7_block_inductor(inductor_recorder, dtype):
     """What users run: the default Inductor backend.  The dplr ops stay opaque nodes in the
-    graphs Inductor compiles (it neither decomposes nor drops them) and results match eager."""
-    block, x = make_block(), block_input(T=40)
+    graphs Inductor compiles (it neither decomposes nor drops them) and results match eager.
+    (bf16 on CUDA only: at a kernel head size it runs the TileLang kernels.)"""
+    block, x = make_block(dtype=dtype), block_input(T=40, dtype=dtype)
     compiled = torch.compile(block, backend=inductor_recorder, fullgraph=True)
     out_c, grads_c = block_grads(block, x, compiled)
     out_e, grads_e = block_grads(block, x, block)
@@ -206,8 +211,9 @@ def test_rwkv7_block_inductor(inductor_recorder):
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_chunk_rwkv7_under_autocast(recorder, compiled):
-    """fp32 inputs under ``torch.autocast``: the op computes in fp32 whatever the ambient
-    autocast state, so the result equals the call without autocast."""
+    """fp32 inputs under bf16 ``torch.autocast``: like scaled_dot_product_attention, the op
+    runs in the autocast dtype (r, k, v, a, b cast to bf16; the gate and the state keep fp32),
+    so the result equals the call on bf16-cast inputs without autocast."""
     x = make_inputs(T=40, initial_state=True, requires_grad=False)
     r, k, v, a, b = (x[n] for n in ("q", "k", "v", "a", "b"))
     w = -0.6 * torch.sigmoid(x["gk"])
@@ -216,11 +222,13 @@ def test_chunk_rwkv7_under_autocast(recorder, compiled):
         return torch_dplr.chunk_rwkv7(*args, initial_state=x["initial_state"],
                                       output_final_state=True, lower_bound=-0.6065)
 
-    expected = fn(r, w, k, v, a, b)
+    b16 = b.to(torch.float16)  # mixed input dtypes meet in the autocast dtype
+    bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    expected = fn(bf16(r), w, bf16(k), bf16(v), bf16(a), bf16(b16))
     run = torch.compile(fn, backend=recorder, fullgraph=True) if compiled else fn
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        actual = run(r, w, k, v, a, b)
-    assert [t.dtype for t in actual] == [torch.float32, torch.float32]
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        actual = run(r, w, k, v, a, b16)
+    assert [t.dtype for t in actual] == [torch.bfloat16, torch.float32]
     assert_all_close(actual, expected)
 
 
@@ -230,7 +238,7 @@ def test_rwkv7_block_under_autocast_compiled(recorder):
     block, x = make_block(), block_input(T=40)
     compiled = torch.compile(block, backend=recorder, fullgraph=True)
     tensors = [x, *block.parameters()]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         (out,), grads = run_and_grad(compiled, tensors, x)
     (ref,), grads_ref = run_and_grad(block, tensors, x)
     assert_one_graph(recorder)

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, assert_all_close, block_input,
-                       chunk_fn, dplr, find_nodes, make_block, make_inputs)
+from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, INDUCTOR_DTYPES, INDUCTOR_TOL,
+                       assert_all_close, block_input, chunk_fn, dplr, dtype_id, find_nodes,
+                       make_block, make_inputs, runs_tilelang_kernels)
 
 GRAD_FREE = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
@@ -51,24 +52,43 @@ def test_rwkv7_block_eval_then_train(recorder):
     assert set(recorder.counts("backward")) == BACKWARD_OPS - {dplr.recurrent_bwd.default}
 
 
+# Inductor's bf16 tolerance; fp32 as tight as this test always held it
+CUDA_GRAPH_TOL = {**INDUCTOR_TOL, torch.float32: (1e-4, 1e-5)}
+
+
+def reduce_overhead_case(dtype):
+    """The CUDA-graph test at ``dtype``, marked xfail(strict=False) either way, with the reason
+    that fits the kernels the call takes.  Not strict, so a pass shows up as XPASS (and tells
+    the lead the mark can go) instead of failing the run or hiding behind a plain xfail."""
+    if runs_tilelang_kernels(dtype):
+        reason = ("TileLang path: meant to be capturable (no host sync in the dispatch), not "
+                  "yet verified on the H200 -- an XPASS means this mark can go for kernel "
+                  "configurations")
+    else:
+        reason = ("the PyTorch kernels on CUDA sync the host (boolean-mask indexing, cached "
+                  "layouts built during capture); graph capture needs every op on its TileLang "
+                  "kernel (bf16 at TORCH_DPLR_TEST_HEAD_DIM=64/128)")
+    return pytest.param(dtype, marks=pytest.mark.xfail(strict=False, reason=reason),
+                        id=dtype_id(dtype))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason='mode="reduce-overhead" (CUDA graphs) needs a CUDA GPU')
-@pytest.mark.xfail(strict=False, reason="the PyTorch kernels on CUDA sync the host (boolean-mask "
-                   "indexing, cached layouts built during capture); graph capture needs every "
-                   "op on its TileLang kernel (issue: TileLang CUDA kernels)")
-def test_rwkv7_block_reduce_overhead_cuda():
+@pytest.mark.parametrize("dtype", [reduce_overhead_case(d) for d in INDUCTOR_DTYPES])
+def test_rwkv7_block_reduce_overhead_cuda(dtype):
     """CUDA graphs capture the whole step: no host sync or data-dependent Python in the ops
-    (a skipped capture would leave the dplr ops' launch overhead in place)."""
+    (a skipped capture would leave the dplr ops' launch overhead in place).  Runs on CUDA
+    whatever TORCH_DPLR_TEST_DEVICE says (``.cuda()`` is a no-op when already there)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    block = make_block().cuda()
+    block = make_block(dtype=dtype).cuda()
     compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
     for step in range(3):  # warm-up, record, replay
-        x = block_input(T=64, seed=step).cuda()
+        x = block_input(T=64, seed=step, dtype=dtype).cuda()
         y = compiled(x)
         y_ref = block(x)
-        torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+        assert_all_close([y], [y_ref], CUDA_GRAPH_TOL)
         y.sum().backward()
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])

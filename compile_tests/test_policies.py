@@ -12,10 +12,10 @@ import torch
 
 from torch_dplr import policies
 
-from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, FORWARD_OPS, INDUCTOR_TOL,
-                       DispatchCounter, assert_all_close, block_input, checkpointed,
-                       differentiable, dplr, make_block, make_inputs, recurrent_fn,
-                       run_and_grad, two_chunk_calls)
+from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, FORWARD_OPS, INDUCTOR_DTYPES,
+                       INDUCTOR_TOL, DispatchCounter, assert_all_close, block_input,
+                       checkpointed, differentiable, dplr, dtype_id, make_block, make_inputs,
+                       recurrent_fn, run_and_grad, two_chunk_calls)
 
 CUSTOM_POLICIES = {
     "custom_save_wy": frozenset({dplr.chunk_wy_fwd.default}),
@@ -48,8 +48,8 @@ def region_recurrent():
         dict(initial_state=x["initial_state"])
 
 
-def region_rwkv7_block():
-    block, x = make_block(), block_input(T=37)
+def region_rwkv7_block(dtype=torch.float32):
+    block, x = make_block(dtype=dtype), block_input(T=37, dtype=dtype)
     return block, [x, *block.parameters()], [x], {}
 
 
@@ -208,10 +208,12 @@ def test_extra_save_ops_compiled(recorder):
 # Inductor
 # ---------------------------------------------------------------------------------------------
 
-def test_policy_inductor(inductor_recorder):
+@pytest.mark.parametrize("dtype", INDUCTOR_DTYPES, ids=dtype_id)
+def test_policy_inductor(inductor_recorder, dtype):
     """The realistic set-up: Inductor compiles the checkpointed block, and its (Inductor
-    partitioner's) backward graph recomputes what ``save_state`` says, nothing more."""
-    fn, tensors, args, kwargs = region_rwkv7_block()
+    partitioner's) backward graph recomputes what ``save_state`` says, nothing more.
+    (bf16 on CUDA only: at a kernel head size it runs the TileLang kernels.)"""
+    fn, tensors, args, kwargs = region_rwkv7_block(dtype)
     out_ref, grads_ref = run_and_grad(fn, tensors, *args, **kwargs)
     compiled = torch.compile(checkpointed(fn, "save_state"), backend=inductor_recorder,
                              fullgraph=True)

@@ -1,24 +1,49 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine from the checkout root (see pack_gpu_bundle.sh): unpacks TileLang and
-# the kernel cache, then each file of $GPU_TESTS with a time limit, logs under $OUT; with
-# SELFCHECK=<seconds> also `python -m torch_dplr --json`.
+# Runs on the GPU machine from the checkout root (carry [".gpu"], see pack_gpu_bundle.sh).
+# Steps, each logged under $OUT and timed:
+#   PRECOMPILE=1        compile every kernel variant in parallel (python -m torch_dplr precompile)
+#   GPU_TESTS="f1 f2"   pytest each file (PER_TEST_TIMEOUT s each, default 300)
+#   SANITIZE=1          compute-sanitizer racecheck + memcheck over tools/sanitize_kernels.py
+#   SELFCHECK=<s>       python -m torch_dplr --json
+#   BENCH="<args>"      python -m torch_dplr bench <args> (results under $OUT/bench)
+#   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time
 set -u
 t0=$(date +%s)
-mkdir -p /tmp/site /tmp/tlc
-xz -dc .gpu/site.tar.xz | tar -C /tmp/site -xf -
-[ -f .gpu/tlcache.tar.xz ] && xz -dc .gpu/tlcache.tar.xz | tar -C /tmp/tlc -xf -
-export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1
+mkdir -p /tmp/site /tmp/tlc ~/.triton/cache
+if [ ! -f /tmp/site/.done ]; then  # once per machine (a warm machine keeps /tmp)
+  xz -dc .gpu/site.tar.xz | tar -C /tmp/site -xf -
+  [ -f .gpu/tlcache.tar.xz ] && xz -dc .gpu/tlcache.tar.xz | tar -C /tmp/tlc -xf -
+  [ -f .gpu/fla_triton_autotune_h200.tar.xz ] && tar -C ~/.triton/cache -xJf .gpu/fla_triton_autotune_h200.tar.xz
+  touch /tmp/site/.done
+fi
+export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 echo "setup $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, tilelang; print(torch.__version__, tilelang.__version__, torch.cuda.get_device_capability())"
-for f in ${GPU_TESTS:-}; do
-  name=$(basename "$f" .py); s=$(date +%s)
-  timeout "${PER_TEST_TIMEOUT:-120}" python3 -m pytest "$f" -q --maxfail=4 -p no:cacheprovider -rf \
-    > "$OUT/$name.log" 2>&1
+step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print rc, time and last line
+  local name=$1 limit=$2; shift 2; local s; s=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - s )) s: $(tail -1 "$OUT/$name.log")"
+}
+if [ -n "${PRECOMPILE:-}" ]; then step precompile 400 python3 -m torch_dplr precompile; fi
+for f in ${GPU_TESTS:-}; do
+  step "$(basename "$f" .py)" "${PER_TEST_TIMEOUT:-300}" python3 -m pytest "$f" -q -p no:cacheprovider -rfE ${PYTEST_EXTRA:-}
 done
+if [ -n "${SANITIZE:-}" ]; then
+  for tool in racecheck memcheck; do
+    step "sanitize_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tools/sanitize_kernels.py
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/sanitize_$tool.log" | tail -3
+  done
+fi
 if [ -n "${SELFCHECK:-}" ]; then
-  s=$(date +%s); timeout "$SELFCHECK" python3 -m torch_dplr --json > "$OUT/selfcheck.jsonl" 2>&1
-  echo "selfcheck rc=$? $(( $(date +%s) - s )) s"; grep -E "timing|self_check" "$OUT/selfcheck.jsonl"
+  step selfcheck "$SELFCHECK" python3 -m torch_dplr --json
+  grep -E "timing|self_check" "$OUT/selfcheck.log"
+fi
+if [ -n "${BENCH:-}" ]; then
+  # shellcheck disable=SC2086
+  step bench "${BENCH_TIMEOUT:-400}" python3 -m torch_dplr bench --out "$OUT/bench" $BENCH
+fi
+if [ -n "${SAVE_CACHE:-}" ]; then
+  tar -C /tmp/tlc -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"; ls -la "$OUT/tlcache.tar.xz"
 fi
 echo "total $(( $(date +%s) - t0 )) s"

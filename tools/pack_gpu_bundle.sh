@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Packs what a GPU run needs into the ignored folder .gpu/ (it must be under the device tool's
-# 64 MiB carry limit): the TileLang site bundle from ../shared/device/make-bundle.sh and the
-# kernels compiled here into .devsite/tilelang-cache, xz-compressed (~14x smaller; the raw
-# cache is far too big to carry).  Then:  device run, carry [".gpu"],
-#   GPU_TESTS="tests/test_cuda.py tests/test_tl_state_fwd.py" bash tools/gpu_run.sh
+# Packs what a GPU run needs into the ignored folder .gpu/ (under the device tool's 64 MiB
+# carry limit): the site bundle from ../shared/device/make-bundle.sh (TileLang, FLA 0.6.0) and
+# FLA's Triton autotune cache. Kernels are compiled on the GPU host itself (16 cores, ~2 min
+# for every variant: `python -m torch_dplr precompile`); a kernel cache brought back from an
+# earlier run ($OUT/tlcache.tar.xz, see gpu_run.sh) is carried too when KERNEL_CACHE names it.
+# Then: device run, carry [".gpu"], `GPU_TESTS="tests/test_cuda.py" bash tools/gpu_run.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .devsite/site.tar.xz ] || ../shared/device/make-bundle.sh
 grep -qxF '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
-mkdir -p .gpu
+rm -rf .gpu && mkdir -p .gpu
 ln -f .devsite/site.tar.xz .gpu/site.tar.xz
-tar -C .devsite/tilelang-cache -cf - "$(python3 -c 'import tilelang; print(tilelang.__version__)')/linux-x86_64" \
-  | xz -T0 -6 > .gpu/tlcache.tar.xz
+cp .devsite/fla_triton_autotune_h200.tar.xz .gpu/
+if [ -n "${KERNEL_CACHE:-}" ]; then cp "$KERNEL_CACHE" .gpu/tlcache.tar.xz; fi
 du -sh --apparent-size .gpu/*

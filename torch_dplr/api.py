@@ -27,6 +27,20 @@ def _reject_extra_kwargs(kwargs, fn):
         raise TypeError(f"{fn}() got unexpected keyword arguments {sorted(kwargs)}")
 
 
+def _under_autocast(data: dict) -> dict:
+    """Under ``torch.autocast`` the data inputs (not the gate, not the state) run in the
+    autocast dtype, as ``scaled_dot_product_attention`` does; a model's projections and its
+    fp32 normalisations then meet in one dtype instead of failing the dtype check."""
+    first = next(iter(data.values()))
+    device = first.device.type if isinstance(first, torch.Tensor) else "cpu"
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return data
+    dtype = torch.get_autocast_dtype(device)
+    eligible = (torch.float32, torch.float16, torch.bfloat16)
+    return {n: x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype in eligible else x
+            for n, x in data.items()}
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -68,6 +82,7 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
     _reject_extra_kwargs(kwargs, "chunk_dplr_delta_rule")
     if cp_context is not None:
         raise NotImplementedError("cp_context (context parallelism) is not supported by torch_dplr")
+    q, k, v, a, b = _under_autocast(dict(q=q, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(q=q, k=k, v=v, a=a, b=b, gk=gk), gate="gk", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                  chunk_size=chunk_size, lower_bound=lower_bound)
@@ -85,6 +100,7 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     _reject_extra_kwargs(kwargs, "chunk_rwkv7")
     if cp_context is not None:
         raise NotImplementedError("cp_context (context parallelism) is not supported by torch_dplr")
+    r, k, v, a, b = _under_autocast(dict(r=r, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(r=r, k=k, v=v, a=a, b=b, w=w), gate="w", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                  chunk_size=chunk_size, lower_bound=lower_bound)
@@ -118,6 +134,7 @@ def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state
     the sweep (``O(T·K·V)`` memory per sequence and head): use the chunked form for training.
     """
     _reject_extra_kwargs(kwargs, "fused_recurrent_dplr_delta_rule")
+    q, k, v, a, b = _under_autocast(dict(q=q, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(q=q, k=k, v=v, a=a, b=b, gk=gk), gate="gk", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -131,6 +148,7 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None,
                           output_final_state=True, cu_seqlens=None, **kwargs):
     """RWKV-7 per-token form: :func:`fused_recurrent_dplr_delta_rule` with ``q=r, gk=w``."""
     _reject_extra_kwargs(kwargs, "fused_recurrent_rwkv7")
+    r, k, v, a, b = _under_autocast(dict(r=r, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(r=r, k=k, v=v, a=a, b=b, w=w), gate="w", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None)
     return fused_recurrent_dplr_delta_rule(r, k, v, a, b, w, scale, initial_state,
