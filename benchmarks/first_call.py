@@ -1,0 +1,89 @@
+"""First-call cost of torch_dplr, measured in this (fresh) process; prints one JSON line.
+
+The harness runs it twice as a subprocess: with ``TILELANG_CACHE_DIR`` pointing at an empty
+folder (cold: every kernel compiles) and again on the folder the first run filled (warm: kernels
+load from disk).  In order it times, each synchronized on the host clock:
+
+- ``fwd_bwd_s``: the first forward+backward (RWKV-7 gates, initial and final state), so every
+  kernel a training step needs is built or loaded inside it;
+- ``fwd_s``: then a no-grad forward (which may use kernels of its own, e.g. a fused forward);
+- ``new_layout_s``: then forward+backward at a new B and T and at a new varlen layout, which
+  must compile nothing (a few ms when it holds, seconds when something recompiles).
+
+    python -m benchmarks.first_call --device cuda --shape 8,4096,32,64 --chunk-size 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+T0 = time.perf_counter()
+
+import torch  # noqa: E402
+
+from .cells import Cell, Shape  # noqa: E402
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _steps(shape: Shape, chunk_size: int, gates: str, device):
+    """(forward+backward step, no-grad forward step) of chunk_rwkv7/chunk_dplr_delta_rule."""
+    import torch_dplr
+
+    from . import calls, inputs
+    cell = Cell(shape, chunk_size, gates, True, "fwd_bwd")
+    entry = calls.ENTRY[gates]
+    fn = calls.in_dplr_order(entry, getattr(torch_dplr, entry))
+    inp = inputs.make(shape, gates, device)
+    leaves = inp.leaves()
+    return (calls.fwd_bwd_step(fn, leaves, calls.call_kwargs(cell, leaves)),
+            calls.fwd_step(fn, inp, calls.call_kwargs(cell, inp)))
+
+
+def new_layouts(shape: Shape) -> tuple[Shape, Shape]:
+    """A rect shape with another B and T (not a chunk multiple) and a new varlen layout."""
+    return (Shape(max(1, shape.B // 4), shape.T // 4 + 7, shape.H, shape.D),
+            Shape(1, shape.T // 2, shape.H, shape.D, N=5))
+
+
+def measure(shape: Shape, chunk_size: int, gates: str, device) -> dict:
+    device = torch.device(device)
+    fwd_bwd, fwd = _steps(shape, chunk_size, gates, device)
+    result = {"import_s": round(time.perf_counter() - T0, 3),
+              "fwd_bwd_s": round(_timed(fwd_bwd, device), 3),
+              "fwd_s": round(_timed(fwd, device), 3)}
+    new = 0.0
+    for other in new_layouts(shape):
+        step, _ = _steps(other, chunk_size, gates, device)
+        new += _timed(step, device)
+    result["new_layout_s"] = round(new, 3)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.first_call",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="8,4096,32,64", help="B,T,H,D")
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--gates", default="rwkv7")
+    args = parser.parse_args(argv)
+    B, T, H, D = (int(x) for x in args.shape.split(","))
+    print(json.dumps(measure(Shape(B, T, H, D), args.chunk_size, args.gates, args.device)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

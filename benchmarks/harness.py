@@ -1,0 +1,372 @@
+"""``python -m torch_dplr bench``: torch_dplr against flash-linear-attention, cell by cell.
+
+For every cell of :mod:`benchmarks.cells` it times, in this one process and on the same inputs,
+torch_dplr and FLA's ``chunk_rwkv7`` / ``chunk_dplr_delta_rule`` on its Triton route
+(``FLA_TILELANG=0``) and its TileLang route (``FLA_TILELANG=1``; see :mod:`benchmarks.fla_routes`),
+and appends one JSON object per cell to ``OUT/<device>.json`` as soon as it is measured.  Then it
+measures the first call in fresh processes (:mod:`benchmarks.first_call`) and writes
+``OUT/<device>.md`` and ``OUT/<device>.png`` (:mod:`benchmarks.report`).
+
+A failure in one implementation leaves its columns null with a ``*_error`` field and the run
+goes on.  Without a GPU it runs every shape shrunk to a tiny size (a smoke test: the times mean
+nothing), and FLA, which needs CUDA, is reported as not run.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import torch_dplr
+from torch_dplr import policies
+
+from . import calls, cells, inputs, report
+from .fla_routes import FLA, ROUTES
+from .timing import Timer
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "benchmarks" / "results"
+AUTOTUNE_ENV = "TORCH_DPLR_BENCH_FLA_AUTOTUNE"  # a tar.xz of Triton autotune results for FLA
+AUTOTUNE_CANDIDATES = (REPO / ".devsite" / "fla_triton_autotune_h200.tar.xz",
+                       REPO.parent / "shared" / "bench" / "fla_triton_autotune_h200.tar.xz")
+# Every record carries these keys, null when not measured.
+REQUIRED = ("torch_dplr_ms", "fla_triton_ms", "fla_tilelang_ms", "ratio", "torch_dplr_peak_mb",
+            "fla_peak_mb", "fla_tilelang_fallback")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m torch_dplr bench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default %(default)s)")
+    p.add_argument("--name", help="file stem (default: the device, e.g. h200 or cpu)")
+    p.add_argument("--cells", help="regular expression on cell ids (see --list)")
+    p.add_argument("--quick", action="store_true", help="design shape only, chunk 64, RWKV-7 gates")
+    p.add_argument("--modes", default="fwd,fwd_bwd,first_call",
+                   help="comma list of fwd, fwd_bwd, first_call (default %(default)s)")
+    p.add_argument("--policies", default=f"none,{cells.SHIPPED_POLICY}",
+                   help="fwd_bwd policies: none and/or a torch_dplr.policies name (default %(default)s)")
+    p.add_argument("--reps", type=int, help="timed repetitions per cell (default 20; 3 on the CPU)")
+    p.add_argument("--warmup", type=int, help="warm-up calls after the first (default 3; 0 on the CPU)")
+    p.add_argument("--cap-s", type=float, default=20.0,
+                   help="time cap of the reps of one implementation in one cell (default %(default)s)")
+    p.add_argument("--no-flush", action="store_true", help="do not flush the L2 between reps")
+    p.add_argument("--no-fla", action="store_true", help="time torch_dplr only")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--tiny", action="store_true", help="shrink every shape (implied on the CPU)")
+    p.add_argument("--resume", action="store_true",
+                   help="append to the output, skipping cells it already holds without error")
+    p.add_argument("--first-call-timeout", type=float, default=540.0, help="seconds per subprocess")
+    p.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.policies = [x for x in args.policies.split(",") if x]
+    unknown = set(args.modes) - {*cells.MODES, cells.FIRST_CALL}
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}")
+    for pol in args.policies:
+        if pol != "none" and pol not in policies.POLICIES:
+            p.error(f"unknown policy {pol!r}; expected none or one of {sorted(policies.POLICIES)}")
+    return args
+
+
+def device_stem(device: torch.device) -> str:
+    """``h200`` for an 'NVIDIA H200', ``cpu`` for the CPU: the results' file name."""
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+    return re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "cuda"
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _tilelang_usable(device) -> bool | None:
+    """Whether torch_dplr may run TileLang kernels here (None: could not tell)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch_dplr.ops.tilelang_path import tilelang_usable
+        return tilelang_usable(device)
+    except Exception:  # noqa: BLE001  (metadata only)
+        return None
+
+
+def run_meta(device, fla) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "torch_dplr": torch_dplr.__version__,
+            "torch_dplr_tilelang": _tilelang_usable(device), "git": _git_commit(),
+            "fla": fla.version if fla is not None else None}
+
+
+def install_fla_autotune_cache() -> str:
+    """Unpack FLA's Triton autotune results into Triton's cache unless they are there.
+
+    ``.devsite/setup.sh`` already does it on the GPU machine; this covers runs without it.
+    The tarball is ``$TORCH_DPLR_BENCH_FLA_AUTOTUNE`` or the first of AUTOTUNE_CANDIDATES.
+    """
+    given = os.environ.get(AUTOTUNE_ENV)
+    found = [Path(given)] if given else [p for p in AUTOTUNE_CANDIDATES if p.is_file()]
+    if not found or not found[0].is_file():
+        return "no autotune tarball found"
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    with tarfile.open(found[0]) as tar:
+        missing = [m for m in tar.getmembers() if m.isfile() and not (cache / m.name).exists()]
+        if missing:
+            cache.mkdir(parents=True, exist_ok=True)
+            extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(cache, members=missing, **extra)
+    return f"{len(missing)} autotune files unpacked from {found[0].name}" if missing else "present"
+
+
+def load_fla(args, device) -> tuple[FLA | None, dict]:
+    """(FLA, {}) or (None, the field that says why its columns stay null)."""
+    if args.no_fla:
+        return None, {"fla_skipped": "--no-fla"}
+    if device.type != "cuda":
+        return None, {"fla_skipped": "FLA needs CUDA"}
+    try:
+        return FLA(), {}
+    except Exception as exc:  # noqa: BLE001  (missing or broken install: report and go on)
+        return None, {"fla_error": f"import failed: {_error(exc)}"}
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def _step(cell, fn, tensors, kwargs, context_fn=None):
+    if cell.mode == "fwd":
+        return calls.fwd_step(fn, tensors, kwargs)
+    return calls.fwd_bwd_step(fn, tensors, kwargs, context_fn)
+
+
+def time_torch_dplr(cell, tensors, timer) -> dict:
+    entry = calls.ENTRY[cell.gates]
+    fn = calls.in_dplr_order(entry, getattr(torch_dplr, entry))
+    ctx = None if cell.policy == "none" else policies.context_fn(cell.policy)
+    step = _step(cell, fn, tensors, calls.call_kwargs(cell, tensors), ctx)
+    return timer.measure(step).fields("torch_dplr")
+
+
+def fla_kwargs(cell, tensors) -> dict:
+    """Like with like: FLA keeps intermediates where torch_dplr runs without checkpointing."""
+    keep = cell.mode == "fwd_bwd" and cell.policy == "none"
+    return dict(calls.call_kwargs(cell, tensors), disable_recompute=keep)
+
+
+def time_fla(cell, tensors, timer, fla, route) -> dict:
+    entry = calls.ENTRY[cell.gates]
+    fn = calls.in_dplr_order(entry, fla.entries[entry])
+    kwargs = fla_kwargs(cell, tensors)
+    fields = {}
+    with fla.route(route):
+        if route == "tilelang":
+            start = time.perf_counter()
+            reason = fla.tilelang_refusal(calls.caller(tensors, kwargs, grad=cell.mode == "fwd_bwd"))
+            fields = {"fla_tilelang_fallback": reason is not None,
+                      "fla_tilelang_probe_s": round(time.perf_counter() - start, 3)}
+            if reason is not None:
+                return dict(fields, fla_tilelang_fallback_reason=reason)
+        fields.update(timer.measure(_step(cell, fn, tensors, kwargs)).fields(f"fla_{route}"))
+    return fields
+
+
+def _rms_ratio(ours, theirs) -> float:
+    diff = (ours.float() - theirs.float()).pow(2).mean().sqrt()
+    return round((diff / theirs.float().pow(2).mean().sqrt().clamp_min(1e-30)).item(), 6)
+
+
+def output_diffs(cell, inp, fla, routes) -> dict:
+    """RMS(torch_dplr - FLA) / RMS(FLA) of o and the final state, per FLA route timed."""
+    entry = calls.ENTRY[cell.gates]
+    call = calls.caller(inp, calls.call_kwargs(cell, inp), grad=False)
+    o, ht = call(calls.in_dplr_order(entry, getattr(torch_dplr, entry)))
+    out = {}
+    for route in routes:
+        with fla.route(route):
+            o2, ht2 = call(calls.in_dplr_order(entry, fla.entries[entry]))
+        diffs = {"o": _rms_ratio(o, o2)}
+        if cell.state:
+            diffs["final_state"] = _rms_ratio(ht, ht2)
+        out[f"diff_vs_fla_{route}"] = diffs
+    return out
+
+
+def summarize(record: dict) -> dict:
+    """Adds ratio (faster FLA route over torch_dplr), fla_best_route and its peak memory."""
+    times = {r: record[f"fla_{r}_ms"] for r in ROUTES if record.get(f"fla_{r}_ms") is not None}
+    best = min(times, key=times.get) if times else None
+    ours = record.get("torch_dplr_ms")
+    record["fla_best_route"] = best
+    record["fla_peak_mb"] = record.get(f"fla_{best}_peak_mb") if best else None
+    record["ratio"] = round(times[best] / ours, 3) if best and ours else None
+    return record
+
+
+def _guarded(record: dict, prefix: str, measure) -> None:
+    """Runs ``measure()`` into the record; on failure records ``<prefix>_error`` and goes on."""
+    try:
+        record.update(measure())
+    except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
+        record[f"{prefix}_error"] = _error(exc)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta) -> dict:
+    tensors = leaves if cell.mode == "fwd_bwd" else inp
+    record = {**cell.fields(), **dict.fromkeys(REQUIRED), **meta,
+              "fla_setting": "disable_recompute=True" if fla_kwargs(cell, tensors)["disable_recompute"]
+              else "default"}
+    _guarded(record, "torch_dplr", lambda: time_torch_dplr(cell, tensors, timer))
+    if fla is None:
+        record.update(fla_absent)
+    else:
+        for route in ROUTES:
+            _guarded(record, f"fla_{route}", lambda: time_fla(cell, tensors, timer, fla, route))
+    timed = [r for r in ROUTES if record.get(f"fla_{r}_ms") is not None]
+    if cell.mode == "fwd" and fla is not None and timed and record.get("torch_dplr_ms") is not None:
+        _guarded(record, "diff", lambda: output_diffs(cell, inp, fla, timed))
+    return summarize(record)
+
+
+def _progress(record) -> str:
+    def ms(key):
+        return "  -   " if record.get(key) is None else f"{record[key]:7.3f}"
+    tl = "  fallback" if record.get("fla_tilelang_fallback") else ms("fla_tilelang_ms")
+    ratio = "   -  " if record.get("ratio") is None else f"{record['ratio']:5.2f}x"
+    errors = " ".join(k for k in record if k.endswith("_error"))
+    return (f"{record['cell']:<52} dplr {ms('torch_dplr_ms')}  triton {ms('fla_triton_ms')}  "
+            f"tilelang {tl}  ratio {ratio}  {errors}")
+
+
+def first_call_cell_id(shape) -> str:
+    return f"first_call/{shape.label}/c64/rwkv7/state"
+
+
+def _first_call_run(shape, device, cache_dir, timeout) -> dict:
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(cache_dir))
+    cmd = [sys.executable, "-m", "benchmarks.first_call", "--device", device.type,
+           "--shape", f"{shape.B},{shape.T},{shape.H},{shape.D}", "--chunk-size", "64"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail[:300]}"}
+    return json.loads(lines[-1])
+
+
+def measure_first_call(shape, device, timeout, meta) -> dict:
+    """Cold (empty TileLang cache) then warm (the cache the cold run filled), fresh processes."""
+    record = {"cell": first_call_cell_id(shape), "B": shape.B, "T": shape.T, "H": shape.H,
+              "D": shape.D, "N": None, "chunk_size": 64, "gates": "rwkv7", "state": True,
+              "mode": "first_call", "policy": "none", "cold_s": None, "warm_s": None, **meta}
+    with tempfile.TemporaryDirectory(prefix="torch_dplr_bench_tlcache_") as cache_dir:
+        for phase in ("cold", "warm"):
+            result = _first_call_run(shape, device, cache_dir, timeout)
+            if "error" in result:
+                record[f"{phase}_error"] = result["error"]
+                break
+            record.update({f"{phase}_s": result["fwd_bwd_s"], f"{phase}_fwd_s": result["fwd_s"],
+                           f"{phase}_new_layout_s": result["new_layout_s"],
+                           f"{phase}_import_s": result["import_s"]})
+    return record
+
+
+def done_cells(path: Path) -> set[str]:
+    """Cells a previous run measured without any error."""
+    if not path.exists():
+        return set()
+    return {r["cell"] for r in report.load(path) if "cell" in r
+            and not any(k.endswith("_error") for k in r)}
+
+
+def _pick_device(name) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_cells(selected, args, device, fla, fla_absent, meta, sink, skip) -> None:
+    cuda = device.type == "cuda"
+    timer = Timer(device, reps=args.reps or (20 if cuda else 3),
+                  warmup=(3 if cuda else 0) if args.warmup is None else args.warmup,
+                  cap_s=args.cap_s, flush_l2=not args.no_flush)
+    for (shape, gates), group in itertools.groupby(selected, key=lambda c: (c.shape, c.gates)):
+        todo = [c for c in group if c.id not in skip]
+        if not todo:
+            continue
+        try:
+            inp = inputs.make(shape, gates, device)
+            leaves = inp.leaves()
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory: record every cell, go on)
+            for cell in todo:
+                sink({**cell.fields(), **dict.fromkeys(REQUIRED), **meta, "inputs_error": _error(exc)})
+            continue
+        for cell in todo:
+            sink(measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta))
+        del inp, leaves
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = _pick_device(args.device)
+    shrink = args.tiny or device.type != "cuda"
+    selected = cells.select(cells.envelope(args.policies, args.quick, shrink), args.cells, args.modes)
+    first_shape = cells.first_call_shape(shrink)
+    first_call = cells.FIRST_CALL in args.modes and (
+        not args.cells or re.search(args.cells, first_call_cell_id(first_shape)))
+    if args.list:
+        print("\n".join([c.id for c in selected] + ([first_call_cell_id(first_shape)] if first_call else [])))
+        return 0
+    if device.type != "cuda":
+        print("no GPU: every shape is shrunk to a tiny size (a smoke test; the times mean nothing)",
+              file=sys.stderr)
+    fla, fla_absent = load_fla(args, device)
+    if fla is not None:
+        print(f"FLA {fla.version}; Triton autotune cache: {install_fla_autotune_cache()}", file=sys.stderr)
+    else:
+        print(f"FLA: {next(iter(fla_absent.values()))}", file=sys.stderr)
+    meta = run_meta(device, fla)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.name or device_stem(device)}.json"
+    skip = done_cells(path) if args.resume else set()
+    with path.open("a" if args.resume else "w") as out:
+        def sink(record):
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            print(_progress(record), flush=True)
+
+        run_cells(selected, args, device, fla, fla_absent, meta, sink, skip)
+        if first_call and first_call_cell_id(first_shape) not in skip:
+            record = measure_first_call(first_shape, device, args.first_call_timeout, meta)
+            out.write(json.dumps(record) + "\n")
+            print(f"{record['cell']}: cold {record.get('cold_s')} s, warm {record.get('warm_s')} s",
+                  flush=True)
+    written = report.write_report(path)
+    print(f"json: {path}\n" + "\n".join(f"{k}: {v}" for k, v in written.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

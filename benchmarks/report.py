@@ -1,0 +1,234 @@
+"""JSON lines of a benchmark run -> a markdown table and a PNG plot of the ratios.
+
+    python -m benchmarks.report benchmarks/results/h200.json      # writes h200.md, h200.png
+
+``ratio`` is the faster FLA route's time over torch_dplr's (above 1: torch_dplr is faster).
+When a cell was measured more than once (``--resume``, reruns), its last record counts.
+matplotlib is optional: without it the plot is skipped with a message.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SECTIONS = (  # (title, mode, policy or None for the shipped recompute policy)
+    ("Forward (no grad)", "fwd", "none"),
+    ("Forward+backward, no checkpointing vs FLA `disable_recompute=True`", "fwd_bwd", "none"),
+    ("Forward+backward, torch_dplr policy `{policy}` vs FLA's default recompute", "fwd_bwd", None),
+)
+TARGETS = {"fwd": 0.7, "fwd_bwd": 3.0}  # ms at the design shape, chunk 64
+DESIGN = dict(B=8, T=4096, H=32, D=64, N=None)
+COLD_S, WARM_S = 30.0, 2.0
+
+
+def load(path) -> list[dict]:
+    """Records in file order, one per cell (the last one written wins)."""
+    latest = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            latest[record.get("cell") or json.dumps(record, sort_keys=True)] = record
+    return list(latest.values())
+
+
+def _num(x, fmt="{:.3f}"):
+    return "–" if x is None else fmt.format(x)
+
+
+def _shape(r) -> str:
+    seqs = f" N{r['N']}" if r.get("N") is not None else ""
+    return f"B{r['B']} T{r['T']}{seqs} H{r['H']} D{r['D']}"
+
+
+def shipped_policy(records) -> str | None:
+    return next((r["policy"] for r in records if r.get("mode") == "fwd_bwd"
+                 and r.get("policy") not in (None, "none")), None)
+
+
+def section_rows(records, mode, policy) -> list[dict]:
+    return [r for r in records if r.get("mode") == mode and r.get("policy") == policy]
+
+
+def _tilelang_cell(r) -> str:
+    if r.get("fla_tilelang_fallback"):
+        return "→Triton"
+    return _num(r.get("fla_tilelang_ms"))
+
+
+def _errors(r) -> str:
+    return "; ".join(f"{k[:-6]}: {v}" for k, v in r.items() if k.endswith("_error") and v)
+
+
+def table(rows) -> list[str]:
+    lines = ["| shape | chunk | gates | state | torch_dplr ms | FLA Triton ms | FLA TileLang ms "
+             "| ratio | peak MB torch_dplr / FLA |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "–" if r.get("ratio") is None else f"**{r['ratio']:.2f}x**"
+        peaks = f"{_num(r.get('torch_dplr_peak_mb'), '{:.0f}')} / {_num(r.get('fla_peak_mb'), '{:.0f}')}"
+        lines.append(f"| {_shape(r)} | {r['chunk_size']} | {r['gates']} | {'yes' if r['state'] else 'no'} "
+                     f"| {_num(r.get('torch_dplr_ms'))} | {_num(r.get('fla_triton_ms'))} "
+                     f"| {_tilelang_cell(r)} | {ratio} | {peaks} |")
+    return lines
+
+
+def _is_design(r) -> bool:
+    return all(r.get(k) == v for k, v in DESIGN.items()) and r.get("chunk_size") == 64 \
+        and r.get("gates") == "rwkv7"
+
+
+def _verdict(ok) -> str:
+    return "–" if ok is None else ("yes" if ok else "**no**")
+
+
+def target_rows(records) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, holds) for each target of issue 4 that the records cover."""
+    cells = [r for r in records if r.get("mode") in TARGETS]
+    out = []
+    for mode, bound in TARGETS.items():
+        design = [r["torch_dplr_ms"] for r in cells if r["mode"] == mode and _is_design(r)
+                  and r.get("policy") == "none" and r.get("torch_dplr_ms") is not None]
+        if design:
+            out.append((f"design shape, chunk 64, {mode} <= {bound} ms (worst of with/without state)",
+                        f"{max(design):.3f} ms", max(design) <= bound))
+    ratios = [(r["ratio"], r["cell"]) for r in cells if r.get("ratio") is not None]
+    if ratios:
+        worst = min(ratios)
+        below = sum(x < 1.5 for x, _ in ratios)
+        out.append(("every cell >= 1.5x the faster FLA route",
+                    f"{below} of {len(ratios)} cells below; worst {worst[0]:.2f}x ({worst[1]})",
+                    below == 0))
+        out.append(("no cell below 1.0x", f"{sum(x < 1.0 for x, _ in ratios)} cells below",
+                    worst[0] >= 1.0))
+    for policy, fla_setting in (("none", "FLA disable_recompute=True"), (None, "FLA default")):
+        pol = policy or shipped_policy(records)
+        pairs = [(r["torch_dplr_peak_mb"], r["fla_peak_mb"]) for r in cells
+                 if r["mode"] == "fwd_bwd" and r.get("policy") == pol
+                 and r.get("torch_dplr_peak_mb") is not None and r.get("fla_peak_mb") is not None]
+        if pairs:
+            over = sum(ours > theirs for ours, theirs in pairs)
+            out.append((f"fwd_bwd peak memory, policy {pol} <= {fla_setting}",
+                        f"{over} of {len(pairs)} cells above", over == 0))
+    for r in records:
+        if r.get("mode") == "first_call":
+            for key, bound in (("cold_s", COLD_S), ("warm_s", WARM_S)):
+                value = r.get(key)
+                out.append((f"first call, {key[:-2]} cache <= {bound:g} s",
+                            _num(value, "{:.2f} s"), None if value is None else value <= bound))
+    return out
+
+
+def _preamble(records) -> list[str]:
+    meta = next((r for r in records if r.get("device")), {})
+    cuda = meta.get("device", "cpu") != "cpu"
+    fla = f"flash-linear-attention {meta['fla']}" if meta.get("fla") else "flash-linear-attention (not run)"
+    clock = ("CUDA events, L2 flushed between reps" if cuda
+             else "host clock (CPU smoke test: the times mean nothing)")
+    return [f"# torch_dplr vs {fla} on {meta.get('device', '?')}", "",
+            f"torch {meta.get('torch', '?')}, torch_dplr {meta.get('torch_dplr', '?')} "
+            f"(git {meta.get('git') or '?'}), torch_dplr TileLang kernels: "
+            f"{'yes' if meta.get('torch_dplr_tilelang') else 'no'}. bf16 inputs, fp32 gates. "
+            f"Times: median over reps, {clock}. "
+            "ratio = faster FLA route / torch_dplr (above 1: torch_dplr is faster). Peak: CUDA "
+            "memory one call allocates above what was allocated before it, MB; FLA's is its faster "
+            "route's. '→Triton': FLA's TileLang backend refused the config (it runs Triton)."]
+
+
+def markdown(records) -> str:
+    policy = shipped_policy(records)
+    lines = _preamble(records) + ["", "## Targets", "", "| target | measured | holds |", "|---|---|---|"]
+    lines += [f"| {t} | {m} | {_verdict(ok)} |" for t, m, ok in target_rows(records)]
+    for title, mode, pol in SECTIONS:
+        rows = section_rows(records, mode, pol or policy)
+        if rows:
+            lines += ["", f"## {title.format(policy=pol or policy)}", ""] + table(rows)
+    first = [r for r in records if r.get("mode") == "first_call"]
+    if first:
+        lines += ["", "## First call (fresh process; forward+backward, all kernels included)", "",
+                  "| shape | cold cache s | warm cache s | no-grad forward after it, cold / warm s "
+                  "| new B, T and varlen layout, cold / warm s |", "|---|---|---|---|---|"]
+        for r in first:
+            lines.append(f"| {_shape(r)} chunk {r['chunk_size']} | {_num(r.get('cold_s'), '{:.2f}')} "
+                         f"| {_num(r.get('warm_s'), '{:.2f}')} "
+                         f"| {_num(r.get('cold_fwd_s'), '{:.2f}')} / {_num(r.get('warm_fwd_s'), '{:.2f}')} "
+                         f"| {_num(r.get('cold_new_layout_s'), '{:.2f}')} / "
+                         f"{_num(r.get('warm_new_layout_s'), '{:.2f}')} |")
+    failed = [r for r in records if _errors(r)]
+    if failed:
+        lines += ["", "## Errors", ""] + [f"- `{r.get('cell')}`: {_errors(r)}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def _bar_label(r) -> str:
+    gates = " unb" if r["gates"] == "unbounded" else ""
+    return f"{_shape(r)} c{r['chunk_size']}{gates}{' +s' if r['state'] else ''}"
+
+
+def plot(records, png_path) -> bool:
+    """Bars of the ratio per cell, one panel per section; False (with a message) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib, then "
+              "python -m benchmarks.report FILE)", file=sys.stderr)
+        return False
+    policy = shipped_policy(records)
+    panels = [(t.format(policy=pol or policy), section_rows(records, m, pol or policy))
+              for t, m, pol in SECTIONS]
+    panels = [(t, rows) for t, rows in panels if rows]
+    if not panels:
+        print("no timed cells: no plot", file=sys.stderr)
+        return False
+    widest = max(len(rows) for _, rows in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.28 * widest + 2), 4.2 * len(panels)),
+                             squeeze=False)
+    for ax, (title, rows) in zip(axes[:, 0], panels):
+        ratios = [r.get("ratio") or 0.0 for r in rows]
+        colors = ["tab:green" if x >= 1.5 else "tab:orange" if x >= 1.0 else "tab:red" for x in ratios]
+        bars = ax.bar(range(len(rows)), ratios, color=colors)
+        ax.bar_label(bars, labels=[f"{x:.2f}" if x else "n/a" for x in ratios], fontsize=6, rotation=90,
+                     padding=2)
+        ax.set_ylim(0, max([1.7] + ratios) * 1.15)
+        for level, style in ((1.0, "-"), (1.5, "--")):
+            ax.axhline(level, color="black", linestyle=style, linewidth=0.8)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([_bar_label(r) for r in rows], rotation=90, fontsize=7)
+        ax.set_ylabel("faster FLA / torch_dplr")
+        ax.set_title(title.replace("`", ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(jsonl_path, md_path=None, png_path=None) -> dict:
+    """Writes the markdown table and the plot next to the JSON lines; returns the paths written."""
+    jsonl_path = Path(jsonl_path)
+    md_path = Path(md_path) if md_path else jsonl_path.with_suffix(".md")
+    png_path = Path(png_path) if png_path else jsonl_path.with_suffix(".png")
+    records = load(jsonl_path)
+    md_path.write_text(markdown(records))
+    written = {"md": str(md_path)}
+    if plot(records, png_path):
+        written["png"] = str(png_path)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("jsonl", help="JSON lines written by the harness (e.g. benchmarks/results/h200.json)")
+    parser.add_argument("--md", help="markdown output (default: beside the input, .md)")
+    parser.add_argument("--png", help="plot output (default: beside the input, .png)")
+    args = parser.parse_args(argv)
+    for kind, path in write_report(args.jsonl, args.md, args.png).items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

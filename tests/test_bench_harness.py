@@ -1,0 +1,160 @@
+"""The benchmark harness on the CPU: envelope, report from synthetic records, tiny cells."""
+import json
+import os
+import random
+
+import torch
+
+from benchmarks import cells, first_call, harness, inputs, report
+from benchmarks.fla_routes import ENV, FLA
+
+
+def test_envelope_matches_issue_4():
+    envelope = cells.envelope()
+    shapes = {(c.shape.B, c.shape.T, c.shape.H, c.shape.D, c.shape.N) for c in envelope}
+    assert shapes == {(8, 4096, 32, 64, None), (4, 4096, 32, 128, None), (2, 4096, 8, 64, None),
+                      (1, 65536, 32, 64, None), (1, 32768, 32, 64, 8), (1, 32768, 32, 64, 64)}
+    # 6 shapes x (3 RWKV-7 + 2 unbounded chunk sizes) x 2 states x (fwd + 2 fwd_bwd policies)
+    assert len(envelope) == 6 * 5 * 2 * 3 == len({c.id for c in envelope})
+    assert {c.chunk_size for c in envelope if c.gates == "unbounded"} == {16, 32}
+    assert {c.policy for c in envelope if c.mode == "fwd_bwd"} == {"none", cells.SHIPPED_POLICY}
+    assert {c.policy for c in envelope if c.mode == "fwd"} == {"none"}
+    assert len({c.id for c in cells.envelope(shrink=True)}) == len(envelope)
+    quick = cells.envelope(quick=True)
+    assert {c.shape for c in quick} == {cells.DESIGN} and len(quick) == 6
+
+
+def test_varlen_offsets_split_every_token():
+    for N, T in ((8, 32768), (64, 32768), (64, 256)):
+        cu = inputs.varlen_offsets(N, T)
+        assert cu[0] == 0 and cu[-1] == T and len(cu) == N + 1 and bool((cu.diff() > 0).all())
+
+
+def test_fla_route_sets_and_restores_the_switch(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    with FLA.route("triton"):
+        assert os.environ[ENV] == "0"
+    with FLA.route("tilelang"):
+        assert os.environ[ENV] == "1"
+    assert ENV not in os.environ
+
+
+def _synthetic(cell, rng):
+    triton, tilelang = rng.uniform(1, 10), rng.uniform(1, 10)
+    fallback = cell.chunk_size == 64
+    record = {**cell.fields(), "torch_dplr_ms": rng.uniform(0.5, 5), "fla_triton_ms": triton,
+              "fla_tilelang_ms": None if fallback else tilelang, "fla_tilelang_fallback": fallback,
+              "torch_dplr_peak_mb": rng.uniform(100, 5000), "fla_triton_peak_mb": 3000.0,
+              "fla_tilelang_peak_mb": None if fallback else 2000.0, "device": "NVIDIA H200",
+              "fla": "0.6.0", "torch": "2.11"}
+    return harness.summarize(record)
+
+
+def test_report_from_synthetic_jsonl(tmp_path):
+    rng = random.Random(0)
+    records = [_synthetic(c, rng) for c in cells.envelope()]
+    records.append({"cell": "first_call/x", "mode": "first_call", "B": 8, "T": 4096, "H": 32,
+                    "D": 64, "N": None, "chunk_size": 64, "cold_s": 25.0, "warm_s": 3.0})
+    records[0] = dict(records[0], torch_dplr_ms=None, ratio=None, torch_dplr_error="RuntimeError: x")
+    path = tmp_path / "h200.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = report.write_report(path)
+    md = (tmp_path / "h200.md").read_text()
+    assert written["md"] == str(tmp_path / "h200.md")
+    assert md.count("\n| B") == len(records)  # one row per cell
+    assert "## Targets" in md and "→Triton" in md and "## Errors" in md and "RuntimeError: x" in md
+    assert "| first call, warm cache <= 2 s | 3.00 s | **no** |" in md
+    ratio = records[1]["ratio"]
+    assert ratio == round(min(records[1]["fla_triton_ms"], records[1]["fla_tilelang_ms"] or 1e9)
+                          / records[1]["torch_dplr_ms"], 3)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "png" not in written
+    else:
+        assert (tmp_path / "h200.png").stat().st_size > 0
+
+
+def test_harness_on_tiny_cpu_cells(tmp_path):
+    argv = ["--device", "cpu", "--no-fla", "--out", str(tmp_path), "--name", "t", "--reps", "1",
+            "--warmup", "0", "--modes", "fwd,fwd_bwd",
+            "--cells", r"^B2-T128-H2-D64/c64/rwkv7/state/fwd_bwd/s|^B1-T512-N8-H2-D64/c16/rwkv7/nostate/fwd/"]
+    assert harness.main(argv) == 0
+    records = report.load(tmp_path / "t.json")
+    assert [(r["mode"], r["policy"], r["N"], r["state"]) for r in records] == [
+        ("fwd_bwd", cells.SHIPPED_POLICY, None, True), ("fwd", "none", 8, False)]
+    for r in records:
+        assert set(harness.REQUIRED) <= set(r)
+        assert r["torch_dplr_ms"] > 0 and "torch_dplr_error" not in r
+        assert r["fla_triton_ms"] is None and r["ratio"] is None and r["fla_skipped"] == "--no-fla"
+        assert r["device"] == "cpu" and r["gates"] == "rwkv7"
+    assert (tmp_path / "t.md").exists()
+
+
+def test_first_call_record(monkeypatch):
+    calls = []
+
+    def fake_run(shape, device, cache_dir, timeout):
+        calls.append(cache_dir)
+        return {"fwd_bwd_s": 20.0 - 18 * (len(calls) - 1), "fwd_s": 0.1, "new_layout_s": 0.01,
+                "import_s": 1.0}
+
+    monkeypatch.setattr(harness, "_first_call_run", fake_run)
+    record = harness.measure_first_call(cells.DESIGN, torch.device("cpu"), 10, {})
+    assert record["mode"] == "first_call" and record["cold_s"] == 20.0 and record["warm_s"] == 2.0
+    assert calls[0] == calls[1]  # the warm run reads the cache the cold run filled
+
+
+def test_first_call_measure_on_cpu():
+    result = first_call.measure(cells.Shape(1, 32, 1, 16), 16, "rwkv7", "cpu")
+    assert set(result) == {"import_s", "fwd_bwd_s", "fwd_s", "new_layout_s"}
+    assert all(v >= 0 for v in result.values())
+
+
+class FakeFLA:
+    """Stands in for FLA on the CPU: torch_dplr's functions, a TileLang backend refusing chunk 64."""
+
+    version = "fake"
+    route = staticmethod(FLA.route)
+
+    def __init__(self):
+        import torch_dplr
+        self.routes_seen = []
+
+        def entry(fn):
+            def call(*args, disable_recompute=False, **kwargs):
+                self.routes_seen.append((os.environ[ENV], disable_recompute))
+                return fn(*args, **kwargs)
+            return call
+        self.entries = {name: entry(getattr(torch_dplr, name))
+                        for name in ("chunk_rwkv7", "chunk_dplr_delta_rule")}
+
+    def tilelang_refusal(self, call_forward):
+        return "verifier: chunk 64" if call_forward(lambda *a, **kw: kw["chunk_size"]) == 64 else None
+
+
+def test_measure_cell_with_both_fla_routes():
+    fla = FakeFLA()
+    timer = harness.Timer("cpu", reps=1, warmup=0)
+    shape = cells.Shape(1, 32, 1, 16)
+    inp = inputs.make(shape, "rwkv7", "cpu")
+    for chunk, fallback in ((64, True), (16, False)):
+        cell = cells.Cell(shape, chunk, "rwkv7", True, "fwd")
+        record = harness.measure_cell(cell, inp, inp.leaves(), timer, fla, {}, {"device": "cpu"})
+        assert record["fla_tilelang_fallback"] is fallback and record["fla_triton_ms"] > 0
+        assert (record["fla_tilelang_ms"] is None) == fallback
+        assert record["ratio"] == round(min(record["fla_triton_ms"], record["fla_tilelang_ms"] or 1e9)
+                                        / record["torch_dplr_ms"], 3)
+        assert record["diff_vs_fla_triton"]["o"] == 0.0 and "final_state" in record["diff_vs_fla_triton"]
+    assert {"0", "1"} == {env for env, _ in fla.routes_seen}
+    assert not any(keep for _, keep in fla.routes_seen)
+
+
+def test_like_with_like_fla_settings():
+    shape = cells.Shape(1, 32, 1, 16)
+    inp = inputs.make(shape, "unbounded", "cpu")
+
+    def keeps(mode, policy):
+        return harness.fla_kwargs(cells.Cell(shape, 16, "unbounded", False, mode, policy),
+                                  inp)["disable_recompute"]
+    assert not keeps("fwd", "none") and keeps("fwd_bwd", "none") and not keeps("fwd_bwd", "save_state")
