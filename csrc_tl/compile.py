@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import importlib
 import os
 import sys
 import threading
@@ -238,11 +237,19 @@ def _mark_built(factory: Callable[..., Any], key: tuple) -> None:
         f.write(repr(key))
 
 
-def _build_in_worker(module: str, name: str, config: dict[str, Any]) -> float:
-    # runs in a spawned process: compile into the shared disk cache
-    start = time.perf_counter()
-    build(getattr(importlib.import_module(module), name), **config)
-    return time.perf_counter() - start
+def _build_in_subprocess(factory: Callable[..., Any], config: dict[str, Any]) -> float:
+    """Compile one kernel in a fresh interpreter; returns its seconds or raises with its log."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    cmd = [sys.executable, "-m", "csrc_tl._compile_worker", factory.__module__,
+           factory.__qualname__, json.dumps(config)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip()
+                           else f"exit status {done.returncode}")
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def _describe(factory: Callable[..., Any], config: Mapping[str, Any]) -> str:
@@ -255,7 +262,7 @@ def build_all(items, workers: int | None = None, progress: Callable[[str], None]
     """Compiled kernels for ``items`` (``(factory, config)`` pairs), in order.
 
     Kernels not yet in the disk cache are compiled first, in parallel, by up to ``workers``
-    spawned processes (default: one per CPU core); ``progress`` gets one line per finished
+    compiler processes (default: one per CPU core); ``progress`` gets one line per finished
     kernel. Then every kernel is built here, from the disk cache (``load=False`` stops after
     compiling and returns None). A compile error names the kernel and its config.
     """
@@ -277,24 +284,23 @@ def build_all(items, workers: int | None = None, progress: Callable[[str], None]
 
 
 def _compile_in_processes(missing, workers: int, progress) -> None:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     say = progress or (lambda line: None)
     start = time.perf_counter()
     say(f"compiling {len(missing)} TileLang kernels for {TARGET['arch']} with "
         f"{min(workers, len(missing))} processes (once; cached in {_cache_dir()})")
-    context = multiprocessing.get_context("spawn")  # no fork after CUDA was initialised
     errors = []
-    with ProcessPoolExecutor(min(workers, len(missing)), mp_context=context) as pool:
-        futures = {pool.submit(_build_in_worker, f.__module__, f.__qualname__, c): (f, c)
-                   for f, c in missing}
+    # threads that each wait on one compiler process: no fork of a CUDA-initialised process
+    # and no re-import of the caller's script (what multiprocessing's spawn would do)
+    with ThreadPoolExecutor(min(workers, len(missing))) as pool:
+        futures = {pool.submit(_build_in_subprocess, f, c): (f, c) for f, c in missing}
         for done, future in enumerate(as_completed(futures), 1):
             factory, config = futures[future]
             try:
                 seconds = future.result()
             except Exception as exc:  # noqa: BLE001 (reported together below)
-                errors.append(f"{_describe(factory, config)}: {type(exc).__name__}: {exc}")
+                errors.append(f"{_describe(factory, config)}: {exc}")
                 say(f"[{done}/{len(missing)}] FAILED {_describe(factory, config)}")
                 continue
             _mark_built(factory, cache_key(factory, config))
