@@ -57,17 +57,19 @@ CUDA_GRAPH_TOL = {**INDUCTOR_TOL, torch.float32: (1e-4, 1e-5)}
 
 
 def reduce_overhead_case(dtype):
-    """The CUDA-graph test at ``dtype``, marked xfail(strict=False) either way, with the reason
-    that fits the kernels the call takes.  Not strict, so a pass shows up as XPASS (and tells
-    the lead the mark can go) instead of failing the run or hiding behind a plain xfail."""
+    """The CUDA-graph test at ``dtype``: expected to pass where every op runs its TileLang
+    kernel (no host sync, no tensor kept across calls); xfail on the PyTorch kernels."""
     if runs_tilelang_kernels(dtype):
-        reason = ("TileLang path: meant to be capturable (no host sync in the dispatch), not "
-                  "yet verified on the H200 -- an XPASS means this mark can go for kernel "
-                  "configurations")
-    else:
-        reason = ("the PyTorch kernels on CUDA sync the host (boolean-mask indexing, cached "
-                  "layouts built during capture); graph capture needs every op on its TileLang "
-                  "kernel (bf16 at TORCH_DPLR_TEST_HEAD_DIM=64/128)")
+        # On the H200 (session 2) this case failed with "accessing tensor output of CUDAGraphs
+        # that has been overwritten by a subsequent run" after the fp32 case had failed in the
+        # same process; the loop now marks each step (cudagraph_mark_step_begin), not yet re-run
+        # there. tests/test_cuda_pipeline.py::test_cuda_graphs_reduce_overhead passes on the
+        # kernels with no cudagraph skip.
+        return pytest.param(dtype, id=dtype_id(dtype), marks=pytest.mark.xfail(
+            strict=False, reason="step marking not yet re-run on the H200 (see comment)"))
+    reason = ("the PyTorch kernels on CUDA sync the host and cache layouts built during capture; "
+              "graph capture needs every op on its TileLang kernel (bf16 at "
+              "TORCH_DPLR_TEST_HEAD_DIM=64/128)")
     return pytest.param(dtype, marks=pytest.mark.xfail(strict=False, reason=reason),
                         id=dtype_id(dtype))
 
@@ -86,6 +88,7 @@ def test_rwkv7_block_reduce_overhead_cuda(dtype):
     block = make_block(dtype=dtype).cuda()
     compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
     for step in range(3):  # warm-up, record, replay
+        torch.compiler.cudagraph_mark_step_begin()  # one training step per iteration
         x = block_input(T=64, seed=step, dtype=dtype).cuda()
         y = compiled(x)
         y_ref = block(x)

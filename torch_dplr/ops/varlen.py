@@ -11,7 +11,6 @@ rect ``b * ceil(T/C) + c`` (so ``[B, slots, ...]`` flattens to ``[1, B*slots, ..
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -47,12 +46,16 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, T: int, chunk_size: int, slots
     return start.to(torch.int32), length.to(torch.int32), offsets.to(torch.int32)
 
 
-@functools.lru_cache(maxsize=64)
 def _rect_tables(B: int, T: int, chunk_size: int, device: torch.device) -> KernelTables:
-    # a rect batch's tables depend on (B, T, C) only: built once, reused by every call
-    cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
-    slots = B * chunk_slots_per_batch(T, chunk_size, None)
-    return KernelTables(cu, *varlen_chunk_tables(cu, B * T, chunk_size, slots))
+    # closed form, a few tiny launches per call; not cached: a tensor kept across calls would
+    # be allocated inside a CUDA-graph memory pool when first built under capture
+    nt = chunk_slots_per_batch(T, chunk_size, None)
+    seq = torch.arange(B + 1, device=device, dtype=torch.int32)
+    slot = torch.arange(B * nt, device=device, dtype=torch.int32)
+    offset_in_seq = (slot % nt) * chunk_size
+    start = (slot // nt) * T + offset_in_seq
+    length = (T - offset_in_seq).clamp_(max=chunk_size)
+    return KernelTables(seq * T, start, length, seq * nt)
 
 
 def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,

@@ -1,0 +1,37 @@
+"""The chunk tables the GPU kernels read (torch_dplr/ops/varlen.py), checked on the CPU."""
+import pytest
+import torch
+
+from torch_dplr.ops.varlen import as_one_sequence_list, kernel_tables, varlen_chunk_tables
+
+
+@pytest.mark.parametrize("B,T,C", [(3, 100, 64), (1, 5, 16), (2, 128, 32), (4, 1, 64), (2, 64, 64)])
+def test_rect_tables_are_the_varlen_tables_of_the_flattened_batch(B, T, C):
+    rect = kernel_tables(torch.empty(0, dtype=torch.int64), B, T, C, "cpu")
+    cu = torch.arange(B + 1) * T
+    slots = B * -(-T // C)  # the rect per-chunk layout [B, ceil(T/C)] flattened
+    start, length, offsets = varlen_chunk_tables(cu, B * T, C, slots)
+    assert torch.equal(rect.cu_seqlens, cu.int())
+    assert torch.equal(rect.chunk_start, start) and torch.equal(rect.chunk_len, length)
+    assert torch.equal(rect.chunk_offsets, offsets)
+    assert all(t.dtype == torch.int32 for t in rect)
+
+
+def test_varlen_tables():
+    t = kernel_tables(torch.tensor([0, 5, 70, 200]), 1, 200, 64, "cpu")
+    assert t.chunk_start.tolist() == [0, 5, 69, 70, 134, 198]
+    assert t.chunk_len.tolist() == [5, 64, 1, 64, 64, 2]
+    assert t.chunk_offsets.tolist() == [0, 1, 3, 6]
+
+
+def test_empty_sequences_and_unused_slots():
+    # an empty first sequence owns no slot; the trailing slots of the bound have length 0
+    t = kernel_tables(torch.tensor([0, 0, 3, 3]), 1, 3, 16, "cpu")
+    assert t.chunk_offsets.tolist() == [0, 0, 1, 1]
+    assert t.chunk_len.tolist() == [3, 0, 0]
+
+
+def test_one_sequence_list_is_a_view():
+    x = torch.randn(3, 7, 2, 4)
+    y = as_one_sequence_list(x)
+    assert y.shape == (1, 21, 2, 4) and y.data_ptr() == x.data_ptr()
