@@ -24,7 +24,7 @@ import torch
 
 tilelang = pytest.importorskip("tilelang")
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32_matmul")]
 
 from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import state_fwd as sf  # noqa: E402
@@ -34,7 +34,7 @@ from torch_dplr.ops.state import chunk_state_fwd_reference  # noqa: E402
 from torch_dplr.ops.varlen import as_one_sequence_list as flat  # noqa: E402
 from torch_dplr.ops.varlen import kernel_tables  # noqa: E402
 from torch_dplr.ops.wy import chunk_wy_fwd_reference  # noqa: E402
-from torch_dplr.testing import RWKV7_BOUND, make_inputs  # noqa: E402
+from torch_dplr.testing import RWKV7_BOUND, make_inputs, rms_ratio  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -48,23 +48,6 @@ TOL = {
     (FP16, True): dict(o=5e-4, v_new=5e-4, ht=1e-4, h=1e-4),
     (FP16, False): dict(o=1.5e-3, v_new=1.5e-3, ht=8e-4, h=8e-4),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def ieee_fp32_matmul():
-    """The reference's fp32 matmuls must not run in TF32."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """RMS(out - ref) / RMS(ref), in fp64 on the device."""
-    out, ref = out.double(), ref.double()
-    den = ref.square().mean().sqrt().item()
-    err = (out - ref).square().mean().sqrt().item()
-    return err / den if den > 0 else err
 
 
 @functools.lru_cache(maxsize=8)
@@ -119,7 +102,7 @@ def check(name, st, use_h0=True, keep=True, split=True, tol=None, **knobs):
     ref = reference(st, use_h0, keep)
     names = ("o", "ht", "h", "v_new") if keep else ("o", "ht")
     tol = tol or TOL[(st["v"].dtype, split)]
-    errs = {n: rel_rms(g, r) for n, g, r in zip(("o", "ht", "h", "v_new"), got, ref) if n in names}
+    errs = {n: rms_ratio(g, r) for n, g, r in zip(("o", "ht", "h", "v_new"), got, ref) if n in names}
     print(f"state_fwd {name} split={split} {knobs or ''}: "
           + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     for n, g in zip(("o", "ht", "h", "v_new"), got):

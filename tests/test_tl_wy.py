@@ -22,7 +22,7 @@ import torch
 
 tilelang = pytest.importorskip("tilelang")
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ieee_fp32_matmul")]
 
 from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import wy_bwd as wb  # noqa: E402
@@ -31,7 +31,7 @@ from torch_dplr.ops.intra import chunk_intra_fwd_reference  # noqa: E402
 from torch_dplr.ops.shapes import allocate, wy_bwd_shapes, wy_fwd_shapes  # noqa: E402
 from torch_dplr.ops.varlen import as_one_sequence_list, kernel_tables  # noqa: E402
 from torch_dplr.ops.wy import chunk_wy_bwd_reference, chunk_wy_fwd_reference  # noqa: E402
-from torch_dplr.testing import RWKV7_BOUND, make_inputs  # noqa: E402
+from torch_dplr.testing import RWKV7_BOUND, make_inputs, rms_ratio  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
 FWD_NAMES = ("A_ab_inv", "w", "u")
@@ -50,23 +50,6 @@ TOL = {
     BF16: dict(A_ab_inv=1e-5, w=5e-4, u=5e-4, dA_ab=5e-5, dA_ak=2.5e-5, dag=5e-4, dv=5e-4),
     FP16: dict(A_ab_inv=1e-5, w=2e-4, u=2e-4, dA_ab=5e-5, dA_ak=2.5e-5, dag=2e-4, dv=2e-4),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def ieee_fp32_matmul():
-    """The reference's fp32 matmuls must not run in TF32."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """RMS(out - ref) / RMS(ref), in fp64 on the device."""
-    out, ref = out.double(), ref.double()
-    den = ref.square().mean().sqrt().item()
-    err = (out - ref).square().mean().sqrt().item()
-    return err / den if den > 0 else err
 
 
 @functools.lru_cache(maxsize=4)
@@ -138,7 +121,7 @@ def compare(name, names, got, ref, dtype, rows=None):
         if rows is not None:
             g, r = g[:, rows], r[:, rows]
         assert torch.isfinite(g).all(), f"{name}: {n} has non-finite values (unwritten rows?)"
-        errs[n] = rel_rms(g, r)
+        errs[n] = rms_ratio(g, r)
     print(f"{name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     bad = {n: e for n, e in errs.items() if not e <= tol[n]}
     assert not bad, f"{name}: over the bar {bad} (bars {tol})"
