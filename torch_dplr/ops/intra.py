@@ -50,12 +50,13 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
 @chunk_intra_fwd.register_kernel("cuda")
 @without_autocast
 def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
-    if not _intra_kernel_applies(q, gk, chunk_size):
+    B, T, _, K = q.shape
+    kernel = (kernel_for("intra_fwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
+              if _intra_kernel_applies(q, gk, chunk_size) else None)
+    if kernel is None:
         return chunk_intra_fwd_reference(q, k, a, b, gk, cu_seqlens, scale, chunk_size,
                                          lower_bound)
-    B, T, _, K = q.shape
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
-    kernel = kernel_for("intra_fwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
     tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
     kernel(*map(flat, (q, k, a, b, gk)), tables.chunk_start, tables.chunk_len, float(scale),
            *map(flat, outs))
@@ -92,12 +93,14 @@ def _(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag
       chunk_size, lower_bound):
     grads = (dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg)
     # the backward kernel puts chunk slots on grid y (at most 65535: ~1M tokens at chunk 16)
-    if not (_intra_kernel_applies(q, gk, chunk_size) and dgl.shape[0] * dgl.shape[1] <= 65535):
+    B, T, _, K = q.shape
+    applies = _intra_kernel_applies(q, gk, chunk_size) and dgl.shape[0] * dgl.shape[1] <= 65535
+    kernel = (kernel_for("intra_bwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
+              if applies else None)
+    if kernel is None:
         return chunk_intra_bwd_reference(q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size,
                                          lower_bound)
-    B, T, _, K = q.shape
     outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
-    kernel = kernel_for("intra_bwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
     tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
     kernel(*map(flat, (q, k, a, b, gk, *grads)), tables.chunk_start, tables.chunk_len,
            float(scale), *map(flat, outs))

@@ -14,11 +14,13 @@ import functools
 import os
 import sys
 import threading
+import warnings
 
 import torch
 
 _ready: set[tuple] = set()  # pipelines whose kernels are all built in this process
-_kernels: dict[tuple, object] = {}  # (op, configuration) -> kernel: the per-call fast path
+_kernels: dict[tuple, object] = {}  # (op, configuration) -> kernel or None: per-call fast path
+_MISSING = object()
 _lock = threading.Lock()
 
 
@@ -72,16 +74,27 @@ def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
 
 def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
                gate_dtype: torch.dtype = torch.float32, lower_bound: float = float("-inf")):
-    """The compiled kernel of ``op`` for this configuration.  A kernel this process has not
-    built yet brings its whole pipeline with it (compiled in parallel, see the module doc);
-    WY and state ops, which don't see the gates, name the default gate configuration, and
-    find their kernel already built when the intra op of the same call ran first."""
+    """The compiled kernel of ``op`` for this configuration, or None when it cannot be built
+    here (no nvcc, a TileLang error): the op then runs its PyTorch kernel, after one warning.
+
+    A kernel this process has not built yet brings its whole pipeline with it (compiled in
+    parallel, see the module doc); WY and state ops, which don't see the gates, name the
+    default gate configuration and find their kernel already built when the intra op of the
+    same call ran first."""
     key = (chunk_size, K, V, dtype, gate_dtype, lower_bound)
-    kernel = _kernels.get((op, key))
-    if kernel is None:
-        csrc_tl = _tl()[0]
-        factory, config = pipeline(*key)[op]
-        if not csrc_tl.in_memory(factory, **config):
-            precompile(*key)
-        kernel = _kernels[(op, key)] = csrc_tl.build(factory, **config)
+    kernel = _kernels.get((op, key), _MISSING)
+    if kernel is _MISSING:
+        try:
+            csrc_tl = _tl()[0]
+            factory, config = pipeline(*key)[op]
+            if not csrc_tl.in_memory(factory, **config):
+                precompile(*key)
+            kernel = csrc_tl.build(factory, **config)
+        except Exception as exc:  # noqa: BLE001 (any build failure: fall back, loudly once)
+            warnings.warn(f"torch_dplr: the TileLang kernel {op} for chunk_size={chunk_size}, "
+                          f"K={K}, V={V}, {dtype} could not be built ({type(exc).__name__}: "
+                          f"{exc}); this op runs its PyTorch kernel instead", RuntimeWarning,
+                          stacklevel=2)
+            kernel = None
+        _kernels[(op, key)] = kernel
     return kernel

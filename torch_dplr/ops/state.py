@@ -52,7 +52,9 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
       use_initial_state, keep_activations):
     B, T, H, K = qg.shape
     V = v.shape[-1]
-    if not kernels_apply(v, chunk_size, K, V):
+    kernel = (kernel_for("state_fwd", chunk_size, K, V, v.dtype)
+              if kernels_apply(v, chunk_size, K, V) else None)
+    if kernel is None:
         return chunk_state_fwd_reference(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state,
                                          cu_seqlens, chunk_size, use_initial_state,
                                          keep_activations)
@@ -60,7 +62,6 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
                                v.device)
     tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
     h0 = initial_state.float() if use_initial_state else ht.new_empty(0, H, K, V)
-    kernel = kernel_for("state_fwd", chunk_size, K, V, v.dtype)
     # h / v_new are size 0 without keep_activations: the kernel then writes neither
     kept = (flat(h), flat(v_new)) if keep_activations else (h.view(1, 0, H, K, V), v_new.view(1, 0, H, V))
     kernel(*map(flat, (qg, kg, bg, w, u, v, A_qk, A_qb, gl)), h0.contiguous(),
@@ -110,7 +111,9 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
       use_initial_state, use_dht):
     B, T, H, K = qg.shape
     V = v.shape[-1]
-    if not kernels_apply(v, chunk_size, K, V):
+    kernel = (kernel_for("state_bwd", chunk_size, K, V, v.dtype)
+              if kernels_apply(v, chunk_size, K, V) else None)
+    if kernel is None:
         return chunk_state_bwd_reference(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
                                          initial_state, cu_seqlens, chunk_size,
                                          use_initial_state, use_dht)
@@ -119,7 +122,6 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
     tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
     # dht / dh0 with no rows tell the kernel to start from zero / not to write dh0
     dht4 = dht.float().reshape(-1, H, K, V) if use_dht else gl.new_empty(0, H, K, V)
-    kernel = kernel_for("state_bwd", chunk_size, K, V, v.dtype)
     inputs = map(flat, (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do))
     kernel(*inputs, dht4.contiguous(), tables.cu_seqlens, tables.chunk_offsets,
            *map(flat, outs[:9]), outs[9].view(-1, H, K, V))

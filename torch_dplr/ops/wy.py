@@ -39,11 +39,12 @@ def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
 def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size):
     B, T, _, K = ag.shape
     V = v.shape[-1]
-    if not (kernels_apply(v, chunk_size, K, V) and A_ab.dtype == acc_dtype(v.dtype)):
+    applies = kernels_apply(v, chunk_size, K, V) and A_ab.dtype == acc_dtype(v.dtype)
+    kernel = kernel_for("wy_fwd", chunk_size, K, V, v.dtype) if applies else None
+    if kernel is None:
         return chunk_wy_fwd_reference(A_ab, A_ak, ag, v, cu_seqlens, chunk_size)
     outs = allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
     tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
-    kernel = kernel_for("wy_fwd", chunk_size, K, V, v.dtype)
     kernel(*map(flat, (A_ab, A_ak, ag, v)), tables.chunk_start, tables.chunk_len, *map(flat, outs))
     return outs
 
@@ -72,11 +73,12 @@ def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size):
 def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size):
     B, T, _, K = ag.shape
     V = v.shape[-1]
-    if not (kernels_apply(v, chunk_size, K, V) and A_ab_inv.dtype == acc_dtype(v.dtype)):
+    applies = kernels_apply(v, chunk_size, K, V) and A_ab_inv.dtype == acc_dtype(v.dtype)
+    kernel = kernel_for("wy_bwd", chunk_size, K, V, v.dtype) if applies else None
+    if kernel is None:
         return chunk_wy_bwd_reference(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size)
     outs = allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
     tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
-    kernel = kernel_for("wy_bwd", chunk_size, K, V, v.dtype)
     kernel(*map(flat, (A_ab_inv, A_ak, ag, v, dw, du)), tables.chunk_start, tables.chunk_len,
            *map(flat, outs))
     return outs
