@@ -7,6 +7,7 @@ process on the same inputs and writes JSON lines, a markdown table and a PNG of 
 Modules: :mod:`~benchmarks.cells` (the envelope), :mod:`~benchmarks.inputs` (device-side
 inputs), :mod:`~benchmarks.timing` (CUDA events, L2 flush, peak memory),
 :mod:`~benchmarks.fla_routes` (FLA's Triton and TileLang routes), :mod:`~benchmarks.first_call`
-(cold and warm first call, run as a subprocess), :mod:`~benchmarks.harness` (the CLI) and
+(cold and warm first call, run as a subprocess), :mod:`~benchmarks.stages` (torch_dplr's stage
+ops timed one by one: time, bytes, bandwidth), :mod:`~benchmarks.harness` (the CLI) and
 :mod:`~benchmarks.report`.
 """

@@ -6,8 +6,11 @@ grad (``policy`` "none": nothing is kept for a backward).  Forward+backward cell
 both keep intermediates) and the shipped recompute policy (torch_dplr under
 ``torch.utils.checkpoint`` with that policy against FLA's default, both recompute).
 
-Cell ids read like ``B8-T4096-H32-D64/c64/rwkv7/state/fwd_bwd/save_state``; ``--cells`` filters
-them with a regular expression.
+With ``stages`` every (shape, chunk size, gate style, state) also gets a ``stage`` cell: the
+stage ops timed one by one (:mod:`benchmarks.stages`).
+
+Cell ids read like ``B8-T4096-H32-D64/c64/rwkv7/state/fwd_bwd/save_state`` (a stage cell:
+``B8-T4096-H32-D64/c64/rwkv7/state/stage``); ``--cells`` filters them with a regular expression.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ SHIPPED_POLICY = "save_state"
 
 MODES = ("fwd", "fwd_bwd")
 FIRST_CALL = "first_call"
+STAGE = "stage"  # the per-stage breakdown of a cell (benchmarks.stages)
 # Gate styles with the chunk sizes each is timed at (the issue adds unbounded gates at 16 and 32).
 GATE_CHUNKS = {"rwkv7": (16, 32, 64), "unbounded": (16, 32)}
 STATES = (False, True)
@@ -74,7 +78,8 @@ class Cell:
     @property
     def id(self) -> str:
         state = "state" if self.state else "nostate"
-        return f"{self.shape.label}/c{self.chunk_size}/{self.gates}/{state}/{self.mode}/{self.policy}"
+        head = f"{self.shape.label}/c{self.chunk_size}/{self.gates}/{state}/{self.mode}"
+        return head if self.mode == STAGE else f"{head}/{self.policy}"
 
     def fields(self) -> dict:
         """The identifying JSON fields of the cell's record."""
@@ -84,23 +89,26 @@ class Cell:
                 "mode": self.mode, "policy": self.policy}
 
 
-def _cells_of(shape: Shape, chunks_by_gate: dict, policies: Iterable[str]) -> list[Cell]:
+def _cells_of(shape: Shape, chunks_by_gate: dict, policies: Iterable[str], stages: bool) -> list[Cell]:
     cells = []
     for gates, chunks in chunks_by_gate.items():
         for chunk in chunks:
             for state in STATES:
                 cells.append(Cell(shape, chunk, gates, state, "fwd"))
                 cells.extend(Cell(shape, chunk, gates, state, "fwd_bwd", p) for p in policies)
+                if stages:
+                    cells.append(Cell(shape, chunk, gates, state, STAGE))
     return cells
 
 
-def envelope(policies=("none", SHIPPED_POLICY), quick=False, shrink=False) -> list[Cell]:
-    """Every cell of issue 4's envelope; ``quick``: the design shape at chunk 64, RWKV-7 gates."""
+def envelope(policies=("none", SHIPPED_POLICY), quick=False, shrink=False, stages=False) -> list[Cell]:
+    """Every cell of issue 4's envelope; ``quick``: the design shape at chunk 64, RWKV-7 gates;
+    ``stages``: with a stage cell per (shape, chunk size, gate style, state)."""
     shapes = (DESIGN,) if quick else SHAPES
     chunks = {"rwkv7": (64,)} if quick else GATE_CHUNKS
     if shrink:
         shapes = tuple(tiny(s) for s in shapes)
-    return [c for s in shapes for c in _cells_of(s, chunks, policies)]
+    return [c for s in shapes for c in _cells_of(s, chunks, policies, stages)]
 
 
 def select(cells: list[Cell], pattern: str | None, modes: Iterable[str]) -> list[Cell]:

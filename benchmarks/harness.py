@@ -5,7 +5,9 @@ torch_dplr and FLA's ``chunk_rwkv7`` / ``chunk_dplr_delta_rule`` on its Triton r
 (``FLA_TILELANG=0``) and its TileLang route (``FLA_TILELANG=1``; see :mod:`benchmarks.fla_routes`),
 and appends one JSON object per cell to ``OUT/<device>.json`` as soon as it is measured.  Then it
 measures the first call in fresh processes (:mod:`benchmarks.first_call`) and writes
-``OUT/<device>.md`` and ``OUT/<device>.png`` (:mod:`benchmarks.report`).
+``OUT/<device>.md`` and ``OUT/<device>.png`` (:mod:`benchmarks.report`).  With ``--stages``
+(the default with ``--quick``) it also times torch_dplr's stage ops one by one per (shape, chunk
+size, gate style, state) and records where the time goes (:mod:`benchmarks.stages`).
 
 A failure in one implementation leaves its columns null with a ``*_error`` field and the run
 goes on.  Without a GPU it runs every shape shrunk to a tiny size (a smoke test: the times mean
@@ -30,7 +32,7 @@ import torch
 import torch_dplr
 from torch_dplr import policies
 
-from . import calls, cells, inputs, report
+from . import calls, cells, inputs, report, stages
 from .fla_routes import FLA, ROUTES
 from .timing import Timer
 
@@ -42,6 +44,16 @@ AUTOTUNE_CANDIDATES = (REPO / ".devsite" / "fla_triton_autotune_h200.tar.xz",
 # Every record carries these keys, null when not measured.
 REQUIRED = ("torch_dplr_ms", "fla_triton_ms", "fla_tilelang_ms", "ratio", "torch_dplr_peak_mb",
             "fla_peak_mb", "fla_tilelang_fallback")
+DEFAULT_MODES = (*cells.MODES, cells.FIRST_CALL)
+
+
+def _modes(args) -> list[str]:
+    """--modes, else the default (plus stage with --quick: it costs seconds); --stages adds stage."""
+    if args.modes is not None:
+        modes = [m for m in args.modes.split(",") if m]
+    else:
+        modes = list(DEFAULT_MODES) + ([cells.STAGE] if args.quick else [])
+    return modes + [cells.STAGE] if args.stages and cells.STAGE not in modes else modes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,8 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", help="file stem (default: the device, e.g. h200 or cpu)")
     p.add_argument("--cells", help="regular expression on cell ids (see --list)")
     p.add_argument("--quick", action="store_true", help="design shape only, chunk 64, RWKV-7 gates")
-    p.add_argument("--modes", default="fwd,fwd_bwd,first_call",
-                   help="comma list of fwd, fwd_bwd, first_call (default %(default)s)")
+    p.add_argument("--modes", help=f"comma list of fwd, fwd_bwd, first_call, stage (default "
+                   f"{','.join(DEFAULT_MODES)}, and stage with --quick)")
+    p.add_argument("--stages", action="store_true",
+                   help="add the stage mode: each stage op timed alone, with bytes and GB/s")
     p.add_argument("--policies", default=f"none,{cells.SHIPPED_POLICY}",
                    help="fwd_bwd policies: none and/or a torch_dplr.policies name (default %(default)s)")
     p.add_argument("--reps", type=int, help="timed repetitions per cell (default 20; 3 on the CPU)")
@@ -67,9 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--first-call-timeout", type=float, default=540.0, help="seconds per subprocess")
     p.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
     args = p.parse_args(argv)
-    args.modes = [m for m in args.modes.split(",") if m]
+    args.modes = _modes(args)
     args.policies = [x for x in args.policies.split(",") if x]
-    unknown = set(args.modes) - {*cells.MODES, cells.FIRST_CALL}
+    unknown = set(args.modes) - {*cells.MODES, cells.FIRST_CALL, cells.STAGE}
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}")
     for pol in args.policies:
@@ -246,6 +260,9 @@ def measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta) -> dict:
 
 
 def _progress(record) -> str:
+    if record.get("mode") in stages.RECORD_MODES:
+        return stages.progress_line(record)
+
     def ms(key):
         return "  -   " if record.get(key) is None else f"{record[key]:7.3f}"
     tl = "  fallback" if record.get("fla_tilelang_fallback") else ms("fla_tilelang_ms")
@@ -292,11 +309,12 @@ def measure_first_call(shape, device, timeout, meta) -> dict:
 
 
 def done_cells(path: Path) -> set[str]:
-    """Cells a previous run measured without any error."""
+    """Cells a previous run measured without any error (a stage cell: all its records)."""
     if not path.exists():
         return set()
-    return {r["cell"] for r in report.load(path) if "cell" in r
-            and not any(k.endswith("_error") for k in r)}
+    records = report.load(path)
+    return {r["cell"] for r in records if "cell" in r
+            and not any(k.endswith("_error") for k in r)} | stages.done_stage_cells(records)
 
 
 def _pick_device(name) -> torch.device:
@@ -322,7 +340,11 @@ def run_cells(selected, args, device, fla, fla_absent, meta, sink, skip) -> None
                 sink({**cell.fields(), **dict.fromkeys(REQUIRED), **meta, "inputs_error": _error(exc)})
             continue
         for cell in todo:
-            sink(measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta))
+            if cell.mode == cells.STAGE:
+                for record in stages.measure(cell, inp, timer, meta):
+                    sink(record)
+            else:
+                sink(measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta))
         del inp, leaves
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -332,7 +354,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = _pick_device(args.device)
     shrink = args.tiny or device.type != "cuda"
-    selected = cells.select(cells.envelope(args.policies, args.quick, shrink), args.cells, args.modes)
+    selected = cells.select(cells.envelope(args.policies, args.quick, shrink, stages=True),
+                            args.cells, args.modes)
     first_shape = cells.first_call_shape(shrink)
     first_call = cells.FIRST_CALL in args.modes and (
         not args.cells or re.search(args.cells, first_call_cell_id(first_shape)))

@@ -3,7 +3,10 @@
     python -m benchmarks.report benchmarks/results/h200.json      # writes h200.md, h200.png
 
 ``ratio`` is the faster FLA route's time over torch_dplr's (above 1: torch_dplr is faster).
-When a cell was measured more than once (``--resume``, reruns), its last record counts.
+When the run has ``stage`` records (:mod:`benchmarks.stages`), a "Where the time goes" table per
+cell gives each stage op's time, bytes and achieved bandwidth, and the stages' sum against the
+end-to-end time.  When a cell was measured more than once (``--resume``, reruns), its last
+record counts.
 matplotlib is optional: without it the plot is skipped with a message.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ SECTIONS = (  # (title, mode, policy or None for the shipped recompute policy)
     ("Forward+backward, torch_dplr policy `{policy}` vs FLA's default recompute", "fwd_bwd", None),
 )
 TARGETS = {"fwd": 0.7, "fwd_bwd": 3.0}  # ms at the design shape, chunk 64
+HBM_GB_S = 4300.0  # what an H200 sustains (benchmarks.stages.HBM_GB_S)
 DESIGN = dict(B=8, T=4096, H=32, D=64, N=None)
 COLD_S, WARM_S = 30.0, 2.0
 
@@ -136,6 +140,69 @@ def _preamble(records) -> list[str]:
             "route's. '→Triton': FLA's TileLang backend refused the config (it runs Triton)."]
 
 
+def _stage_cell_title(r) -> str:
+    return (f"{_shape(r)}, chunk {r['chunk_size']}, {r['gates']} gates, "
+            f"{'with' if r['state'] else 'without'} state")
+
+
+def _floor_ms(nbytes) -> float | None:
+    """The time ``nbytes`` take at HBM_GB_S."""
+    return None if nbytes is None else nbytes / (HBM_GB_S * 1e6)
+
+
+def _percent(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def stage_table(ops) -> list[str]:
+    lines = ["| op | ms | MB moved | GB/s | of 4300 GB/s | HBM floor ms |", "|---|---|---|---|---|---|"]
+    for r in ops:
+        mb = None if r.get("bytes") is None else r["bytes"] / 1e6
+        lines.append(f"| {r.get('op') or '–'} | {_num(r.get('ms'))} | {_num(mb, '{:.1f}')} "
+                     f"| {_num(r.get('gb_s'), '{:.0f}')} | {_percent(r.get('bw_fraction'))} "
+                     f"| {_num(_floor_ms(r.get('bytes')))} |")
+    return lines
+
+
+def stage_sum_table(sums) -> list[str]:
+    lines = ["| path | sum of its stages ms | end to end ms | host + glue ms | stages at GB/s "
+             "| stages' HBM floor ms | fused floor ms (call's own I/O) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sums:
+        ops = " + ".join(op.replace("chunk_", "") for op in r.get("ops", []))
+        lines.append(f"| {r['path']} ({ops}) | {_num(r.get('stages_ms'))} | {_num(r.get('end_to_end_ms'))} "
+                     f"| {_num(r.get('glue_ms'))} | {_num(r.get('gb_s'), '{:.0f}')} "
+                     f"| {_num(_floor_ms(r.get('bytes')))} | {_num(_floor_ms(r.get('io_bytes')))} |")
+    return lines
+
+
+def stage_sections(records) -> list[str]:
+    """"Where the time goes": per stage cell, its ops and the paths' sums (empty without them)."""
+    cells = {}
+    for r in records:
+        if r.get("mode") in ("stage", "stage_sum") and r.get("stage_cell"):
+            cells.setdefault(r["stage_cell"], []).append(r)
+    if not cells:
+        return []
+    lines = ["", "## Where the time goes", "",
+             "Each torch_dplr stage op timed alone through `torch.ops.dplr` (same timer) on the "
+             "inputs the ops before it produced. MB moved: the op's compulsory traffic, every "
+             "tensor input read once and every output written once (a kernel that re-reads or "
+             "spills moves more); HBM floor = that traffic at 4300 GB/s, what the H200 sustains. "
+             "`chunk_state_fwd:keep` also writes `h` and `v_new` for the backward (training); "
+             "`:nokeep` is the no-grad call's. End to end: the public function timed the same "
+             "way, no-grad (fwd) or forward+backward without checkpointing (fwd_bwd); host + "
+             "glue = end to end − the sum of its stages (dispatch, autograd, allocation, "
+             "gradient sums). Fused floor: the call's own inputs and outputs moved once."]
+    for rs in cells.values():
+        ops = [r for r in rs if r["mode"] == "stage"]
+        sums = [r for r in rs if r["mode"] == "stage_sum"]
+        lines += ["", f"### {_stage_cell_title(rs[0])}", ""] + stage_table(ops)
+        if sums:
+            lines += [""] + stage_sum_table(sums)
+    return lines
+
+
 def markdown(records) -> str:
     policy = shipped_policy(records)
     lines = _preamble(records) + ["", "## Targets", "", "| target | measured | holds |", "|---|---|---|"]
@@ -155,6 +222,7 @@ def markdown(records) -> str:
                          f"| {_num(r.get('cold_fwd_s'), '{:.2f}')} / {_num(r.get('warm_fwd_s'), '{:.2f}')} "
                          f"| {_num(r.get('cold_new_layout_s'), '{:.2f}')} / "
                          f"{_num(r.get('warm_new_layout_s'), '{:.2f}')} |")
+    lines += stage_sections(records)
     failed = [r for r in records if _errors(r)]
     if failed:
         lines += ["", "## Errors", ""] + [f"- `{r.get('cell')}`: {_errors(r)}" for r in failed]

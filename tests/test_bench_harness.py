@@ -1,11 +1,12 @@
-"""The benchmark harness on the CPU: envelope, report from synthetic records, tiny cells."""
+"""The benchmark harness on the CPU: envelope, report from synthetic records, tiny cells, the
+per-stage breakdown."""
 import json
 import os
 import random
 
 import torch
 
-from benchmarks import cells, first_call, harness, inputs, report
+from benchmarks import cells, first_call, harness, inputs, report, stages
 from benchmarks.fla_routes import ENV, FLA
 
 
@@ -64,6 +65,7 @@ def test_report_from_synthetic_jsonl(tmp_path):
     assert md.count("\n| B") == len(records)  # one row per cell
     assert "## Targets" in md and "→Triton" in md and "## Errors" in md and "RuntimeError: x" in md
     assert "| first call, warm cache <= 2 s | 3.00 s | **no** |" in md
+    assert "Where the time goes" not in md  # no stage records
     ratio = records[1]["ratio"]
     assert ratio == round(min(records[1]["fla_triton_ms"], records[1]["fla_tilelang_ms"] or 1e9)
                           / records[1]["torch_dplr_ms"], 3)
@@ -158,3 +160,76 @@ def test_like_with_like_fla_settings():
         return harness.fla_kwargs(cells.Cell(shape, 16, "unbounded", False, mode, policy),
                                   inp)["disable_recompute"]
     assert not keeps("fwd", "none") and keeps("fwd_bwd", "none") and not keeps("fwd_bwd", "save_state")
+
+
+def test_stage_modes_and_cells():
+    assert cells.STAGE not in harness.parse_args([]).modes
+    assert cells.STAGE in harness.parse_args(["--quick"]).modes
+    assert harness.parse_args(["--stages", "--modes", "fwd"]).modes == ["fwd", cells.STAGE]
+    staged = cells.envelope(quick=True, stages=True)
+    assert [c.id for c in staged if c.mode == cells.STAGE] == [
+        "B8-T4096-H32-D64/c64/rwkv7/nostate/stage", "B8-T4096-H32-D64/c64/rwkv7/state/stage"]
+
+
+def test_stage_breakdown_on_tiny_cpu_cell():
+    shape = cells.Shape(1, 40, 1, 16, N=3)
+    cell = cells.Cell(shape, 16, "unbounded", True, cells.STAGE)
+    records = stages.measure(cell, inputs.make(shape, "unbounded", "cpu"),
+                             harness.Timer("cpu", reps=1, warmup=0), {"device": "cpu"})
+    ops = {r["op"]: r for r in records if r["mode"] == "stage"}
+    assert list(ops) == list(stages.OPS)
+    for r in ops.values():
+        assert {"B", "T", "H", "D", "N", "chunk_size", "gates", "state", "op", "ms", "bytes", "gb_s",
+                "bw_fraction"} <= set(r) and not any(k.endswith("_error") for k in r)
+        assert r["ms"] > 0 and r["bytes"] > 0 and r["gb_s"] >= 0 and r["bw_fraction"] >= 0
+        assert (r["N"], r["gates"], r["state"], r["stage_cell"]) == (3, "unbounded", True, cell.id)
+    assert ops[stages.KEEP]["bytes"] > ops[stages.NO_KEEP]["bytes"]  # h and v_new
+    sums = {r["path"]: r for r in records if r["mode"] == stages.STAGE_SUM}
+    assert set(sums) == set(stages.PATHS)
+    for path, r in sums.items():
+        assert r["stages_ms"] == round(sum(ops[op]["ms"] for op in stages.PATHS[path]), 4)
+        assert r["end_to_end_ms"] > 0 and r["glue_ms"] == round(r["end_to_end_ms"] - r["stages_ms"], 4)
+        assert 0 < r["io_bytes"] < r["bytes"]
+    assert stages.done_stage_cells(records) == {cell.id}
+    assert stages.done_stage_cells(records[1:]) == set()  # an op missing: not done
+
+
+def _synthetic_stages(cell, rng):
+    ops = [{**cell.fields(), "cell": f"{cell.id}/{op}", "stage_cell": cell.id, "mode": "stage",
+            "op": op, "ms": rng.uniform(0.1, 3), "bytes": rng.randrange(10 ** 8, 10 ** 9)}
+           for op in stages.OPS]
+    for r in ops:
+        r["gb_s"] = r["bytes"] / (r["ms"] * 1e6)
+        r["bw_fraction"] = r["gb_s"] / stages.HBM_GB_S
+    sums = [{**cell.fields(), "cell": f"{cell.id}/{path}", "stage_cell": cell.id,
+             "mode": stages.STAGE_SUM, "path": path, "ops": list(ops_of), "stages_ms": 2.0,
+             "end_to_end_ms": 2.5, "glue_ms": 0.5, "bytes": 4.3e9, "gb_s": 2150.0, "io_bytes": 10 ** 9}
+            for path, ops_of in stages.PATHS.items()]
+    return ops + sums
+
+
+def test_report_where_the_time_goes(tmp_path):
+    rng = random.Random(1)
+    envelope = cells.envelope(quick=True, stages=True)
+    records = [r for c in envelope if c.mode == cells.STAGE for r in _synthetic_stages(c, rng)]
+    records += [_synthetic(c, rng) for c in envelope if c.mode != cells.STAGE]
+    path = tmp_path / "h200.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report.write_report(path)
+    md = (tmp_path / "h200.md").read_text()
+    assert md.count("## Where the time goes") == 1
+    assert md.count("### B8 T4096 H32 D64, chunk 64, rwkv7 gates, with") == 2
+    assert md.count("| chunk_state_fwd:nokeep |") == 2 and md.count("| fwd_bwd (") == 2
+    assert "| 2.000 | 2.500 | 0.500 | 2150 | 1.000 | 0.233 |" in md
+    assert md.count("\n| B") == len(envelope) - 2  # the comparison tables are unchanged
+
+
+def test_harness_stage_cell_and_resume(tmp_path):
+    argv = ["--device", "cpu", "--no-fla", "--out", str(tmp_path), "--name", "s", "--reps", "1",
+            "--warmup", "0", "--modes", "stage", "--cells", r"^B2-T128-H2-D64/c16/unbounded/nostate/"]
+    assert harness.main(argv) == 0
+    lines = (tmp_path / "s.json").read_text().splitlines()
+    assert [json.loads(x)["mode"] for x in lines] == ["stage"] * 7 + [stages.STAGE_SUM] * 2
+    assert harness.main(argv + ["--resume"]) == 0
+    assert (tmp_path / "s.json").read_text().splitlines() == lines  # done: nothing measured again
+    assert "## Where the time goes" in (tmp_path / "s.md").read_text()
