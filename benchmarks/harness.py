@@ -120,6 +120,14 @@ def _tilelang_usable(device) -> bool | None:
         return None
 
 
+def _pytorch_stages_so_far() -> list[str]:
+    """Ops whose TileLang kernel could not be built in this process (they ran their PyTorch
+    kernel): a cell timed with any of them is not a measurement of the kernels."""
+    from torch_dplr.ops import kernels
+
+    return sorted({op for (op, _), kernel in kernels._kernels.items() if kernel is None})
+
+
 def run_meta(device, fla) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "torch": torch.__version__, "torch_dplr": torch_dplr.__version__,
@@ -248,6 +256,7 @@ def measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta) -> dict:
               "fla_setting": "disable_recompute=True" if fla_kwargs(cell, tensors)["disable_recompute"]
               else "default"}
     _guarded(record, "torch_dplr", lambda: time_torch_dplr(cell, tensors, timer))
+    record["torch_dplr_pytorch_stages"] = _pytorch_stages_so_far()
     if fla is None:
         record.update(fla_absent)
     else:

@@ -8,5 +8,19 @@ kernel for sm_90a. Nothing here dispatches on tensors or registers ops.
 
 from .compile import TARGET, build, build_all, canonical_dtype, clear_cache, in_memory, on_disk, trace
 
-__all__ = ["TARGET", "build", "build_all", "canonical_dtype", "clear_cache", "in_memory", "on_disk",
-           "trace"]
+__all__ = ["TARGET", "KERNEL_MODULES", "build", "build_all", "canonical_dtype", "clear_cache",
+           "every_variant", "in_memory", "on_disk", "trace"]
+
+#: The kernel families; module ``csrc_tl.<name>`` has factory ``<name>_kernel`` and ``variants()``.
+KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd")
+
+
+def every_variant(names=KERNEL_MODULES):
+    """``(factory, config)`` for every variant of the named kernel families (imported lazily)."""
+    import importlib
+
+    for name in names:
+        module = importlib.import_module(f"{__name__}.{name}")
+        factory = getattr(module, f"{name}_kernel")
+        for config in module.variants():
+            yield factory, config

@@ -50,6 +50,7 @@ __all__ = [
     "build_all",
     "on_disk",
     "in_memory",
+    "default_workers",
 ]
 
 #: The one target every kernel is built for (H200). ``sm_90a`` rather than
@@ -152,6 +153,9 @@ def build(factory: Callable[..., Any], /, **config: Any):
     key = cache_key(factory, config)
     kernel = _kernels.get(key)
     if kernel is None:
+        if key in _failed:
+            raise RuntimeError(f"{_describe(factory, dict(key[2]))} failed to compile earlier "
+                               f"in this process:\n{_failed[key]}")
         kernel = _build_locked(factory, key)
     if fast is not None:
         _by_call[fast] = kernel
@@ -189,10 +193,11 @@ def _compile(factory: Callable[..., Any], config: dict[str, Any]):
 
 
 def clear_cache() -> None:
-    """Forget in-memory kernels (the disk cache is left alone)."""
+    """Forget in-memory kernels and compile failures (the disk cache is left alone)."""
     with _lock:
         _kernels.clear()
         _by_call.clear()
+        _failed.clear()
 
 
 def cached_keys() -> list[tuple]:
@@ -202,22 +207,28 @@ def cached_keys() -> list[tuple]:
 
 # ---- building many kernels at once (first use, precompile, the CI compile test) ----
 
+_COMPILE_TIMEOUT_S = 1200  # one kernel; nvcc takes 5-60 s, a hang must not hang the caller
+_failed: dict[tuple, str] = {}  # kernels that failed to compile in this process: not retried
+
 
 def _cache_dir() -> str:
-    # read at call time, like TileLang does, so tests can point it elsewhere
-    return os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    import tilelang.env  # read at call time, as TileLang does: tests point it elsewhere
+
+    return str(tilelang.env.TILELANG_CACHE_DIR)
 
 
 def _marker(factory: Callable[..., Any], key: tuple) -> str:
-    """A file that says "this exact kernel is in TileLang's disk cache": the factory's module
-    source and the TileLang version are part of its name, so an edited kernel misses."""
+    """A file in the cache that says "this exact kernel was compiled into it": the sources of
+    the factory's module and of this build layer, the target and the TileLang version are part
+    of its name, so an edited kernel or build setting misses."""
     import tilelang
 
-    module = sys.modules[factory.__module__]
-    with open(module.__file__, "rb") as f:
-        source = f.read()
-    digest = hashlib.sha256(source + repr((key, TARGET, tilelang.__version__)).encode()).hexdigest()
-    return os.path.join(_cache_dir(), "torch_dplr-built", digest[:32])
+    sources = b""
+    for path in (sys.modules[factory.__module__].__file__, __file__):
+        with open(path, "rb") as f:
+            sources += f.read()
+    digest = hashlib.sha256(sources + repr((key, TARGET, tilelang.__version__)).encode())
+    return os.path.join(_cache_dir(), "torch_dplr-built", digest.hexdigest()[:32])
 
 
 def in_memory(factory: Callable[..., Any], /, **config: Any) -> bool:
@@ -226,11 +237,16 @@ def in_memory(factory: Callable[..., Any], /, **config: Any) -> bool:
 
 
 def on_disk(factory: Callable[..., Any], /, **config: Any) -> bool:
-    """Whether ``build`` would load this kernel from the disk cache (no nvcc)."""
+    """Whether this kernel was compiled into the current disk cache (by :func:`build_all` or
+    :func:`build` through it), so building it loads rather than runs nvcc."""
     return os.path.exists(_marker(factory, cache_key(factory, config)))
 
 
 def _mark_built(factory: Callable[..., Any], key: tuple) -> None:
+    import tilelang.env
+
+    if not tilelang.env.is_cache_enabled():  # nothing was stored: claim nothing
+        return
     path = _marker(factory, key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -238,17 +254,25 @@ def _mark_built(factory: Callable[..., Any], key: tuple) -> None:
 
 
 def _build_in_subprocess(factory: Callable[..., Any], config: dict[str, Any]) -> float:
-    """Compile one kernel in a fresh interpreter; returns its seconds or raises with its log."""
+    """Compile one kernel in a fresh interpreter; returns its seconds or raises with the tail
+    of its log."""
     import json
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # run from the folder this csrc_tl was imported from, so the worker compiles this source
+    # (``-m`` puts the working directory first on its path)
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([home, *(p for p in sys.path if p)]))
     cmd = [sys.executable, "-m", "csrc_tl._compile_worker", factory.__module__,
            factory.__qualname__, json.dumps(config)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, env=env, cwd=home, capture_output=True, text=True,
+                              timeout=_COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timed out after {_COMPILE_TIMEOUT_S} s") from None
     if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip()
-                           else f"exit status {done.returncode}")
+        tail = "\n".join(done.stderr.strip().splitlines()[-20:])
+        raise RuntimeError(tail or f"exit status {done.returncode}")
     return float(done.stdout.strip().splitlines()[-1])
 
 
@@ -257,30 +281,39 @@ def _describe(factory: Callable[..., Any], config: Mapping[str, Any]) -> str:
     return f"{factory.__module__.rsplit('.', 1)[-1]} {values}"
 
 
+def default_workers() -> int:
+    """Compiler processes: the CPUs this process may use, at most 32."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 32))
+
+
 def build_all(items, workers: int | None = None, progress: Callable[[str], None] | None = None,
               load: bool = True):
     """Compiled kernels for ``items`` (``(factory, config)`` pairs), in order.
 
-    Kernels not yet in the disk cache are compiled first, in parallel, by up to ``workers``
-    compiler processes (default: one per CPU core); ``progress`` gets one line per finished
-    kernel. Then every kernel is built here, from the disk cache (``load=False`` stops after
-    compiling and returns None). A compile error names the kernel and its config.
+    Kernels neither in memory nor in the disk cache are compiled first, in parallel, by up to
+    ``workers`` compiler processes (default :func:`default_workers`); ``progress`` gets a line
+    per finished kernel. Then every kernel is built here, from the disk cache (``load=False``
+    stops after compiling and returns None). If any kernel fails to compile, the others are
+    still compiled and cached, and a RuntimeError names each failed kernel, its config and the
+    end of its compiler log; a later ``build`` of a failed kernel raises at once.
     """
-    items = [(factory, dict(config)) for factory, config in items]
+    items = [(factory, dict(cache_key(factory, config)[2])) for factory, config in items]
     missing = [(f, c) for f, c in items
-               if cache_key(f, c) not in _kernels and not on_disk(f, **c)]
-    if len(missing) > 1:
-        _compile_in_processes(missing, workers or os.cpu_count() or 1, progress)
+               if cache_key(f, c) not in _kernels and cache_key(f, c) not in _failed
+               and not on_disk(f, **c)]
+    if missing:
+        _compile_in_processes(missing, workers or default_workers(), progress)
+    errors = [f"{_describe(f, c)}: {_failed[cache_key(f, c)]}" for f, c in items
+              if cache_key(f, c) in _failed]
+    if errors:
+        raise RuntimeError("TileLang kernels failed to compile:\n" + "\n".join(errors))
     if not load:
-        for factory, config in missing[:1] if len(missing) == 1 else ():
-            build(factory, **config)
-            _mark_built(factory, cache_key(factory, config))
         return None
-    kernels = []
-    for factory, config in items:
-        kernels.append(build(factory, **config))
-        _mark_built(factory, cache_key(factory, config))
-    return kernels
+    return [build(factory, **config) for factory, config in items]
 
 
 def _compile_in_processes(missing, workers: int, progress) -> None:
@@ -288,23 +321,21 @@ def _compile_in_processes(missing, workers: int, progress) -> None:
 
     say = progress or (lambda line: None)
     start = time.perf_counter()
-    say(f"compiling {len(missing)} TileLang kernels for {TARGET['arch']} with "
-        f"{min(workers, len(missing))} processes (once; cached in {_cache_dir()})")
-    errors = []
+    say(f"compiling {len(missing)} TileLang kernel(s) for {TARGET['arch']} with "
+        f"{min(workers, len(missing))} process(es) (once; cached in {_cache_dir()})")
     # threads that each wait on one compiler process: no fork of a CUDA-initialised process
     # and no re-import of the caller's script (what multiprocessing's spawn would do)
     with ThreadPoolExecutor(min(workers, len(missing))) as pool:
         futures = {pool.submit(_build_in_subprocess, f, c): (f, c) for f, c in missing}
         for done, future in enumerate(as_completed(futures), 1):
             factory, config = futures[future]
+            key = cache_key(factory, config)
             try:
                 seconds = future.result()
-            except Exception as exc:  # noqa: BLE001 (reported together below)
-                errors.append(f"{_describe(factory, config)}: {exc}")
+            except Exception as exc:  # noqa: BLE001 (reported by build_all)
+                _failed[key] = str(exc)
                 say(f"[{done}/{len(missing)}] FAILED {_describe(factory, config)}")
                 continue
-            _mark_built(factory, cache_key(factory, config))
+            _mark_built(factory, key)
             say(f"[{done}/{len(missing)}] {_describe(factory, config)} ({seconds:.1f} s)")
-    say(f"compiled {len(missing) - len(errors)} kernels in {time.perf_counter() - start:.1f} s")
-    if errors:
-        raise RuntimeError("TileLang kernels failed to compile:\n" + "\n".join(errors))
+    say(f"done in {time.perf_counter() - start:.1f} s")

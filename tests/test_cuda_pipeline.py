@@ -9,36 +9,18 @@
 - torch.compile on kernel shapes: fullgraph forward+backward equal to eager, a new length or
   varlen layout compiles nothing, checkpoint policies give eager's gradients, CUDA graphs.
 """
-import contextlib
-
 import pytest
 import torch
 
 import torch_dplr
 from test_parity import assert_within
 from torch_dplr import policies
-from torch_dplr.ops import intra, state, wy
-from torch_dplr.testing import RWKV7_BOUND, make_inputs, parity_errors
+from torch_dplr.testing import RWKV7_BOUND, forbid_pytorch_stages, make_inputs, parity_errors
 
-pytestmark = pytest.mark.cuda
+# a kernel that cannot be built falls back with a RuntimeWarning: here that is a failure
+pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("error:torch_dplr:RuntimeWarning")]
 
 DEV = "cuda"
-REFERENCES = [(intra, "chunk_intra_fwd_reference"), (intra, "chunk_intra_bwd_reference"),
-              (wy, "chunk_wy_fwd_reference"), (wy, "chunk_wy_bwd_reference"),
-              (state, "chunk_state_fwd_reference"), (state, "chunk_state_bwd_reference")]
-
-
-@contextlib.contextmanager
-def no_pytorch_stages(monkeypatch):
-    """Every PyTorch stage kernel the CUDA dispatch could fall back to raises instead."""
-    def failing(name):
-        def fail(*args, **kwargs):
-            raise AssertionError(f"{name} ran on CUDA: the TileLang kernel was not used")
-        return fail
-
-    for module, name in REFERENCES:
-        monkeypatch.setattr(module, name, failing(name))
-    yield
 
 
 def _call(inp, chunk_size, lower_bound, cu=None, state=True):
@@ -61,7 +43,7 @@ KERNEL_CONFIGS = [(C, K, dtype, gate_dtype)
 @pytest.mark.parametrize("C,K,dtype,gate_dtype", KERNEL_CONFIGS,
                          ids=lambda p: str(p).replace("torch.", ""))
 @pytest.mark.parametrize("layout", ["rect_state", "varlen_no_state"])
-def test_no_pytorch_stage_runs(monkeypatch, C, K, dtype, gate_dtype, layout):
+def test_no_pytorch_stage_runs(C, K, dtype, gate_dtype, layout):
     bounded = (C + K) % 3 != 0  # both gate schemes across the configs
     inp = make_inputs(2, 300, 4, K, dtype=dtype, device=DEV, gates="rwkv7" if bounded else "unbounded")
     inp["gk"] = inp["gk"].to(gate_dtype)
@@ -69,7 +51,7 @@ def test_no_pytorch_stage_runs(monkeypatch, C, K, dtype, gate_dtype, layout):
     if layout == "varlen_no_state":
         inp = {n: x[:1] if n != "initial_state" else x for n, x in inp.items()}
         cu = torch.tensor([0, 1, 1, C + 3, 300], device=DEV)
-    with no_pytorch_stages(monkeypatch):
+    with forbid_pytorch_stages():
         o, ht, grads = _call(inp, C, RWKV7_BOUND if bounded else None, cu,
                              state=layout == "rect_state")
     torch.cuda.synchronize()
@@ -143,8 +125,8 @@ def _kernel_shape_samples():
                                   h0, cu_t, C, True, True)
 
 
-def test_opcheck_kernel_shapes(monkeypatch):
-    with no_pytorch_stages(monkeypatch):
+def test_opcheck_kernel_shapes():
+    with forbid_pytorch_stages():
         for name, args in _kernel_shape_samples():
             torch.library.opcheck(getattr(torch.ops.dplr, name).default, args)
 
@@ -182,10 +164,10 @@ def _counting_backend():
     return backend, frames
 
 
-def test_fullgraph_equals_eager_and_new_lengths_compile_nothing(monkeypatch):
+def test_fullgraph_equals_eager_and_new_lengths_compile_nothing():
     backend, frames = _counting_backend()
     compiled = torch.compile(_rwkv7, fullgraph=True, dynamic=True, backend=backend)
-    with no_pytorch_stages(monkeypatch):
+    with forbid_pytorch_stages():
         for T in (300, 517, 1000):
             leaves = _leaves(T)
             got = _fwd_bwd(compiled, leaves)
@@ -197,12 +179,12 @@ def test_fullgraph_equals_eager_and_new_lengths_compile_nothing(monkeypatch):
     assert len(frames) == first, f"{len(frames) - first} graphs compiled for new lengths"
 
 
-def test_new_varlen_layout_compiles_nothing(monkeypatch):
+def test_new_varlen_layout_compiles_nothing():
     # N >= 2 in every layout: a size of 1 (N = 1) is specialised by Dynamo and costs one
     # recompile, as the README says for T <= chunk_size
     backend, frames = _counting_backend()
     compiled = torch.compile(_rwkv7, fullgraph=True, dynamic=True, backend=backend)
-    with no_pytorch_stages(monkeypatch):
+    with forbid_pytorch_stages():
         for cu in ([0, 5, 300, 600], [0, 1, 2, 64, 600], [0, 300, 600]):
             leaves = _leaves(600, B=1)
             leaves[-1] = leaves[-1].detach()[:1].expand(len(cu) - 1, -1, -1, -1).clone().requires_grad_()
@@ -217,14 +199,14 @@ def test_new_varlen_layout_compiles_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", sorted(policies.POLICIES))
-def test_checkpoint_policies_match_no_checkpoint(monkeypatch, policy):
+def test_checkpoint_policies_match_no_checkpoint(policy):
     from torch.utils.checkpoint import checkpoint
     ctx = policies.context_fn(policy)
 
     def ckpt(*args):
         return checkpoint(_rwkv7, *args, use_reentrant=False, context_fn=ctx)
     compiled = torch.compile(ckpt, fullgraph=True)
-    with no_pytorch_stages(monkeypatch):
+    with forbid_pytorch_stages():
         leaves = _leaves(700)
         want = _fwd_bwd(_rwkv7, leaves)
         for fn in (ckpt, compiled):
@@ -232,12 +214,12 @@ def test_checkpoint_policies_match_no_checkpoint(monkeypatch, policy):
                 torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_cuda_graphs_reduce_overhead(monkeypatch):
+def test_cuda_graphs_reduce_overhead():
     from torch._dynamo.utils import counters
 
     counters.clear()
     compiled = torch.compile(_rwkv7, mode="reduce-overhead", fullgraph=True)
-    with no_pytorch_stages(monkeypatch):
+    with forbid_pytorch_stages():
         leaves = _leaves(512)
         for _ in range(3):  # warm-up, record, replay; before any eager call, so nothing the
             got = _fwd_bwd(compiled, leaves)  # ops build is made outside the graph pool first

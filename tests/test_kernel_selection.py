@@ -32,6 +32,9 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
         def build_all(self, *args, **kwargs):
             raise RuntimeError("nvcc not found")
 
+        def build(self, *args, **kwargs):
+            raise RuntimeError("nvcc not found")
+
     real = kernels._tl()
     monkeypatch.setattr(kernels, "_tl", lambda: (NoCompiler(), *real[1:]))
     monkeypatch.setattr(kernels, "_kernels", {})
@@ -41,3 +44,14 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the answer is remembered: no second warning
         assert kernels.kernel_for("state_fwd", 64, 64, 64, torch.bfloat16) is None
+
+
+def test_forbid_pytorch_stages_replaces_and_restores():
+    from torch_dplr.ops import wy
+    from torch_dplr.testing import forbid_pytorch_stages
+
+    original = wy.chunk_wy_fwd_reference
+    with forbid_pytorch_stages():
+        with pytest.raises(AssertionError, match="TileLang kernel was not used"):
+            wy.chunk_wy_fwd_reference()
+    assert wy.chunk_wy_fwd_reference is original

@@ -10,18 +10,29 @@ cache and its source checked. About 10-20 s of CPU per kernel.
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 
 import pytest
 
 tilelang = pytest.importorskip("tilelang")
 
-if shutil.which("nvcc") is None:
-    pytest.skip("nvcc not on PATH", allow_module_level=True)
+def _find_nvcc():
+    # where TileLang looks: PATH, then CUDA_HOME / CUDA_PATH, then the default install
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    found = shutil.which("nvcc")
+    return found or next((p for p in (os.path.join(h, "bin", "nvcc") for h in homes if h)
+                          if os.path.exists(p)), None)
+
+
+if _find_nvcc() is None:
+    if os.environ.get("CI"):  # the CI machine has nvcc: losing it must not pass silently
+        raise RuntimeError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): the CI compile test cannot run")
+    pytest.skip("nvcc not found", allow_module_level=True)
 
 from csrc_tl import compile as tlc  # noqa: E402
 
-MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd")
+from csrc_tl import KERNEL_MODULES as MODULES  # noqa: E402
 
 
 @pytest.fixture
@@ -48,7 +59,8 @@ def test_every_variant_compiles(cold_cache, name, capsys):
     lines = []
     tlc.build_all([(factory, c) for c in configs], progress=lines.append, load=False)
     assert all(tlc.on_disk(factory, **c) for c in configs)
-    assert lines[-1].startswith(f"compiled {len(configs)} kernels")
+    done = [line for line in lines if line.startswith("[")]
+    assert len(done) == len(configs) and not any("FAILED" in line for line in done), lines
     for config in configs:  # every kernel loads from the cache the workers filled
         kernel = tlc.build(factory, **config)
         src = kernel.get_kernel_source()

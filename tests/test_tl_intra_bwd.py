@@ -13,8 +13,6 @@ Kernels come from the TileLang disk cache when it was filled beforehand (precomp
 """
 import itertools
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +29,6 @@ from torch_dplr.ops.wy import chunk_wy_bwd_reference, chunk_wy_fwd_reference  # 
 from torch_dplr.testing import RWKV7_BOUND, make_inputs  # noqa: E402
 
 DEVICE = "cuda"
-# Kernels precompiled on a CPU machine (csrc_tl/intra_bwd.py variants()) live here; without
-# them every config compiles on first use (~20-90 s each), far past this file's budget.
-PRECOMPILED = Path(__file__).resolve().parents[1] / ".devsite" / "tilelang-cache"
 # RMS(err)/RMS(ref) bars per input dtype (the library's gradient bars, DESIGN.md section 5).
 TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,16 +36,6 @@ OUT_NAMES = ("dq", "dk", "da", "db", "dgk")
 GRAD_NAMES = ("dgl", "dA_qk", "dA_qb", "dA_ak", "dA_ab", "dqg", "dkg", "dag", "dbg")
 # cu_seqlens with a 1-token sequence, an empty one and a long one (T = 300)
 VARLEN_CU = [0, 1, 1, 138, 300]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _precompiled_cache():
-    """Use the repository's precompiled TileLang cache unless the caller chose one."""
-    mp = pytest.MonkeyPatch()
-    if "TILELANG_CACHE_DIR" not in os.environ and PRECOMPILED.is_dir():
-        mp.setenv("TILELANG_CACHE_DIR", str(PRECOMPILED))
-    yield
-    mp.undo()
 
 
 def _cu(cu):

@@ -15,17 +15,7 @@ import sys
 import torch
 
 import torch_dplr
-from torch_dplr.ops import intra, state, wy
-from torch_dplr.testing import RWKV7_BOUND, make_inputs
-
-
-def forbid_fallbacks():
-    def fail(*args, **kwargs):
-        raise AssertionError("a PyTorch stage ran: the TileLang kernel was not used")
-    for module, name in ((intra, "chunk_intra_fwd_reference"), (intra, "chunk_intra_bwd_reference"),
-                         (wy, "chunk_wy_fwd_reference"), (wy, "chunk_wy_bwd_reference"),
-                         (state, "chunk_state_fwd_reference"), (state, "chunk_state_bwd_reference")):
-        setattr(module, name, fail)
+from torch_dplr.testing import RWKV7_BOUND, forbid_pytorch_stages, make_inputs
 
 
 def run(C, K, bounded, varlen):
@@ -44,12 +34,12 @@ def run(C, K, bounded, varlen):
 
 
 def main() -> int:
-    forbid_fallbacks()
-    for C in (16, 64):
-        for K in (64, 128):
-            for bounded, varlen in ((True, False), (False, True)):
-                run(C, K, bounded, varlen)
-                print(f"ran C={C} K={K} bounded={bounded} varlen={varlen}", flush=True)
+    with forbid_pytorch_stages():
+        for C in (16, 64):
+            for K in (64, 128):
+                for bounded, varlen in ((True, False), (False, True)):
+                    run(C, K, bounded, varlen)
+                    print(f"ran C={C} K={K} bounded={bounded} varlen={varlen}", flush=True)
     return 0
 
 

@@ -9,21 +9,8 @@ needed: a cache filled on a CPU machine with nvcc serves the H100/H200.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
-
-KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd")
-
-
-def every_variant():
-    """``(factory, config)`` for every kernel variant of every module."""
-    for name in KERNEL_MODULES:
-        module = importlib.import_module(f"csrc_tl.{name}")
-        factory = getattr(module, f"{name}_kernel")
-        for config in module.variants():
-            yield factory, config
-
 
 def main(argv=None) -> int:
     import torch
@@ -48,7 +35,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     if args.chunk_size is None and args.head_dim is None:
-        items = list(every_variant())
+        items = list(csrc_tl.every_variant())
     elif args.chunk_size is None or args.head_dim is None:
         parser.error("--chunk-size and --head-dim go together (or neither, for every variant)")
     else:

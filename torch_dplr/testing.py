@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import contextlib
+
 import torch
 
 RWKV7_BOUND = -math.exp(-0.5)  # -0.6065...: RWKV-7's w = -exp(-0.5)·sigmoid(·)
@@ -129,3 +131,32 @@ def parity_errors(B, T, H, K, V=None, *, dtype=torch.float32, gates="rwkv7", chu
     if not (torch.isfinite(o).all() and torch.isfinite(ht).all()):
         raise AssertionError("non-finite output")
     return errors
+
+
+# The PyTorch stage kernels a CUDA op falls back to (module, function name).
+PYTORCH_STAGES = (("intra", "chunk_intra_fwd_reference"), ("intra", "chunk_intra_bwd_reference"),
+                  ("wy", "chunk_wy_fwd_reference"), ("wy", "chunk_wy_bwd_reference"),
+                  ("state", "chunk_state_fwd_reference"), ("state", "chunk_state_bwd_reference"))
+
+
+@contextlib.contextmanager
+def forbid_pytorch_stages():
+    """Inside, a CUDA op that would fall back to a PyTorch stage kernel raises instead: proof
+    that a call ran the TileLang kernels only (GPU tests, the sanitizer driver)."""
+    import importlib
+
+    def failing(name):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"{name} ran: the TileLang kernel was not used")
+        return fail
+
+    saved = []
+    try:
+        for module_name, name in PYTORCH_STAGES:
+            module = importlib.import_module(f"torch_dplr.ops.{module_name}")
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, failing(name))
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)

@@ -1,12 +1,13 @@
 """Which TileLang kernel runs an op call, and compiling a call's kernels before first use.
 
-Each ``*_kernel`` function maps the static facts of a call (chunk size, head dims, dtypes,
-declared gate bound) to the compiled kernel.  The first call that needs a kernel not yet in
-memory compiles every kernel of the whole forward+backward pipeline for that configuration at
-once, in parallel processes, with a progress line per kernel on stderr (set
-``TORCH_DPLR_QUIET=1`` to silence it); later calls, other batch sizes, lengths and varlen
-layouts reuse them (every size is symbolic in the kernels).  ``precompile`` does the same
-ahead of time.
+:func:`pipeline` maps the static facts of a call (chunk size, head dims, dtypes, declared gate
+bound) to the six kernels (factory + config) of that configuration; :func:`kernel_for` returns
+one of them compiled.  The first call that needs a kernel not yet in memory compiles every
+kernel of the whole forward+backward pipeline at once, in parallel processes, with a progress
+line per kernel on stderr (``TORCH_DPLR_QUIET=1`` silences it); later calls, other batch
+sizes, lengths and varlen layouts reuse them (every size is symbolic in the kernels).  A kernel
+that cannot be built leaves its op on the PyTorch kernel, with one warning.
+:func:`precompile` compiles a configuration ahead of time.
 """
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
     with _lock:
         if key in _ready:
             return
-        csrc_tl = _tl()[0]
-        csrc_tl.build_all(pipeline(*key).values(), workers=workers, progress=_progress)
-        _ready.add(key)
+        try:
+            _tl()[0].build_all(pipeline(*key).values(), workers=workers, progress=_progress)
+        finally:  # a kernel that failed is remembered by the build layer, not retried here
+            _ready.add(key)
 
 
 def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
@@ -88,7 +90,10 @@ def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
             csrc_tl = _tl()[0]
             factory, config = pipeline(*key)[op]
             if not csrc_tl.in_memory(factory, **config):
-                precompile(*key)
+                try:
+                    precompile(*key)
+                except RuntimeError:
+                    pass  # another kernel of the pipeline failed: this op may still have its own
             kernel = csrc_tl.build(factory, **config)
         except Exception as exc:  # noqa: BLE001 (any build failure: fall back, loudly once)
             warnings.warn(f"torch_dplr: the TileLang kernel {op} for chunk_size={chunk_size}, "

@@ -14,9 +14,15 @@ from ..reference import state as ref
 from .chunked import ChunkedView, start_state, without_autocast
 from .shapes import allocate, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
-from .tilelang_path import kernels_apply
+from .tilelang_path import MAX_GRID_YZ, kernels_apply
 from .varlen import as_one_sequence_list as flat
 from .varlen import kernel_tables
+
+def _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) -> bool:
+    # one CTA row per sequence on grid y / z (read from shapes: no host sync)
+    num_seqs = v.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
+    return num_seqs <= MAX_GRID_YZ and kernels_apply(v, chunk_size, K, V)
+
 
 @without_autocast
 def chunk_state_fwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v: Tensor,
@@ -53,7 +59,7 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
     B, T, H, K = qg.shape
     V = v.shape[-1]
     kernel = (kernel_for("state_fwd", chunk_size, K, V, v.dtype)
-              if kernels_apply(v, chunk_size, K, V) else None)
+              if _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) else None)
     if kernel is None:
         return chunk_state_fwd_reference(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state,
                                          cu_seqlens, chunk_size, use_initial_state,
@@ -112,7 +118,7 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
     B, T, H, K = qg.shape
     V = v.shape[-1]
     kernel = (kernel_for("state_bwd", chunk_size, K, V, v.dtype)
-              if kernels_apply(v, chunk_size, K, V) else None)
+              if _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) else None)
     if kernel is None:
         return chunk_state_bwd_reference(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
                                          initial_state, cu_seqlens, chunk_size,

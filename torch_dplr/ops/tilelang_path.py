@@ -34,6 +34,9 @@ CHUNK_SIZES = (16, 32, 64)
 HEAD_DIMS = (64, 128)
 
 
+MAX_GRID_YZ = 65535  # CUDA's limit on grid y and z: kernels that put sequences there check it
+
+
 def kernels_apply(x: torch.Tensor, chunk_size: int, K: int, V: int) -> bool:
     """Whether a call whose data tensor is ``x`` runs TileLang kernels: bf16/fp16 data,
     K = V in {64, 128}, chunk 16/32/64, a non-empty input on an sm_90 GPU.  Everything else

@@ -63,6 +63,8 @@ def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
     """Tables for a rect (``cu_seqlens.numel() == 0``: ``B`` sequences of ``T``) or varlen call."""
     if cu_seqlens.numel() == 0:
         return _rect_tables(B, T, chunk_size, torch.device(device))
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences are packed along T), got B={B}")
     return KernelTables(cu_seqlens.to(torch.int32), *varlen_chunk_tables(cu_seqlens, T, chunk_size))
 
 
