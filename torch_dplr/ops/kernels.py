@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-_ready: set[tuple] = set()  # pipelines whose kernels are all built in this process
+_ready: set[tuple] = set()  # pipelines already compiled (or tried: failures are remembered)
 _kernels: dict[tuple, object] = {}  # (op, configuration) -> kernel or None: per-call fast path
 _MISSING = object()
 _lock = threading.Lock()
