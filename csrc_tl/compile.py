@@ -253,31 +253,59 @@ def _mark_built(factory: Callable[..., Any], key: tuple) -> None:
         f.write(repr(key))
 
 
-def _build_in_subprocess(factory: Callable[..., Any], config: dict[str, Any]) -> float:
-    """Compile one kernel in a fresh interpreter; returns its seconds or raises with the tail
-    of its log."""
-    import json
-    import subprocess
+class _CompilerProcess:
+    """One ``csrc_tl._compile_worker`` interpreter, fed one kernel at a time."""
 
-    # run from the folder this csrc_tl was imported from, so the worker compiles this source
-    # (``-m`` puts the working directory first on its path)
-    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([home, *(p for p in sys.path if p)]))
-    cmd = [sys.executable, "-m", "csrc_tl._compile_worker", factory.__module__,
-           factory.__qualname__, json.dumps(config)]
-    try:
-        done = subprocess.run(cmd, env=env, cwd=home, capture_output=True, text=True,
-                              timeout=_COMPILE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"timed out after {_COMPILE_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-20:])
-        raise RuntimeError(tail or f"exit status {done.returncode}")
-    return float(done.stdout.strip().splitlines()[-1])
+    def __init__(self):
+        import subprocess
+        import tempfile
+
+        # run from the folder this csrc_tl was imported from, so the worker compiles this
+        # source (``-m`` puts the working directory first on its path)
+        home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([home, *(p for p in sys.path if p)]))
+        self.log = tempfile.TemporaryFile(mode="w+")  # stderr: a pipe nobody reads could fill
+        self.proc = subprocess.Popen([sys.executable, "-m", "csrc_tl._compile_worker"], cwd=home,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+
+    def compile(self, factory: Callable[..., Any], config: dict[str, Any]) -> float:
+        """Seconds the kernel took, or RuntimeError with the end of its log."""
+        import json
+
+        self.proc.stdin.write(json.dumps([factory.__module__, factory.__qualname__, config]) + "\n")
+        self.proc.stdin.flush()
+        watchdog = threading.Timer(_COMPILE_TIMEOUT_S, self.proc.kill)
+        watchdog.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            watchdog.cancel()
+        if not line:  # killed by the watchdog, or crashed
+            self.log.seek(0)
+            tail = "\n".join(self.log.read().strip().splitlines()[-20:])
+            raise RuntimeError(f"compiler process ended (timeout {_COMPILE_TIMEOUT_S} s or a "
+                               f"crash):\n{tail}")
+        answer = json.loads(line)
+        if not answer["ok"]:
+            raise RuntimeError(answer["error"])
+        return answer["seconds"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+        self.log.close()
 
 
 def _describe(factory: Callable[..., Any], config: Mapping[str, Any]) -> str:
-    values = " ".join(f"{k}={v}" for k, v in config.items())
+    values = " ".join(f"{k}={v}" for k, v in config.items() if v is not None)
     return f"{factory.__module__.rsplit('.', 1)[-1]} {values}"
 
 
@@ -317,25 +345,54 @@ def build_all(items, workers: int | None = None, progress: Callable[[str], None]
 
 
 def _compile_in_processes(missing, workers: int, progress) -> None:
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+    import queue
 
     say = progress or (lambda line: None)
     start = time.perf_counter()
+    workers = min(workers, len(missing))
     say(f"compiling {len(missing)} TileLang kernel(s) for {TARGET['arch']} with "
-        f"{min(workers, len(missing))} process(es) (once; cached in {_cache_dir()})")
-    # threads that each wait on one compiler process: no fork of a CUDA-initialised process
-    # and no re-import of the caller's script (what multiprocessing's spawn would do)
-    with ThreadPoolExecutor(min(workers, len(missing))) as pool:
-        futures = {pool.submit(_build_in_subprocess, f, c): (f, c) for f, c in missing}
-        for done, future in enumerate(as_completed(futures), 1):
-            factory, config = futures[future]
-            key = cache_key(factory, config)
-            try:
-                seconds = future.result()
-            except Exception as exc:  # noqa: BLE001 (reported by build_all)
-                _failed[key] = str(exc)
-                say(f"[{done}/{len(missing)}] FAILED {_describe(factory, config)}")
-                continue
-            _mark_built(factory, key)
-            say(f"[{done}/{len(missing)}] {_describe(factory, config)} ({seconds:.1f} s)")
+        f"{workers} process(es) (once; cached in {_cache_dir()})")
+    jobs: queue.Queue = queue.Queue()
+    for item in missing:
+        jobs.put(item)
+    finished = [0]
+    report = threading.Lock()
+
+    def record(factory, config, seconds=None, error=None):
+        key = cache_key(factory, config)
+        with report:
+            finished[0] += 1
+            if error is None:
+                _mark_built(factory, key)
+                say(f"[{finished[0]}/{len(missing)}] {_describe(factory, config)} ({seconds:.1f} s)")
+            else:
+                _failed[key] = error
+                say(f"[{finished[0]}/{len(missing)}] FAILED {_describe(factory, config)}")
+
+    def drain():
+        # one thread per compiler process: it feeds its process jobs until none are left
+        process = None
+        try:
+            while True:
+                try:
+                    factory, config = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if process is None or not process.alive():
+                    if process is not None:
+                        process.close()
+                    process = _CompilerProcess()
+                try:
+                    record(factory, config, seconds=process.compile(factory, config))
+                except Exception as exc:  # noqa: BLE001 (reported by build_all)
+                    record(factory, config, error=str(exc))
+        finally:
+            if process is not None:
+                process.close()
+
+    threads = [threading.Thread(target=drain, daemon=True) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     say(f"done in {time.perf_counter() - start:.1f} s")
