@@ -70,8 +70,7 @@ def expected_recompute(policy, forward_calls):
 
 
 def test_shipped_policies_recompute_what_they_document():
-    state, intra, wy = (dplr.chunk_state_fwd.default, dplr.chunk_intra_fwd.default,
-                        dplr.chunk_wy_fwd.default)
+    intra, wy = dplr.chunk_intra_fwd.default, dplr.chunk_wy_fwd.default
     assert policies.recomputed_ops("recompute_all") == FORWARD_OPS
     assert policies.recomputed_ops("save_state") & CHUNK_FWD == {intra, wy}
     assert policies.recomputed_ops("save_all") == frozenset()

@@ -35,8 +35,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
         def build(self, *args, **kwargs):
             raise RuntimeError("nvcc not found")
 
-    real = kernels._tl()
-    monkeypatch.setattr(kernels, "_tl", lambda: (NoCompiler(), *real[1:]))
+    monkeypatch.setattr(kernels, "_csrc_tl", lambda: NoCompiler())
     monkeypatch.setattr(kernels, "_kernels", {})
     monkeypatch.setattr(kernels, "_ready", set())
     with pytest.warns(RuntimeWarning, match="nvcc not found"):

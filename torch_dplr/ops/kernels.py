@@ -12,6 +12,7 @@ that cannot be built leaves its op on the PyTorch kernel, with one warning.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 import threading
@@ -25,10 +26,14 @@ _MISSING = object()
 _lock = threading.Lock()
 
 
-def _tl():
+def _csrc_tl():
     import csrc_tl  # deferred: importing TileLang costs ~2 s
-    from csrc_tl import intra_bwd, intra_fwd, state_bwd, state_fwd, wy_bwd, wy_fwd
-    return csrc_tl, intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd
+    return csrc_tl
+
+
+def _family(name: str):
+    """The kernel module ``csrc_tl.<name>`` (one of ``csrc_tl.KERNEL_MODULES``)."""
+    return importlib.import_module(f"csrc_tl.{name}")
 
 
 def _name(dtype) -> str:
@@ -39,7 +44,8 @@ def _name(dtype) -> str:
 def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: torch.dtype,
              lower_bound: float) -> dict[str, tuple]:
     """``{op name: (factory, config)}`` for the six kernels of one configuration."""
-    _, intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd = _tl()
+    intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd = map(
+        _family, ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd"))
     C, dt, gdt = chunk_size, _name(dtype), _name(gate_dtype)
     return {
         "intra_fwd": (intra_fwd.intra_fwd_kernel,
@@ -69,7 +75,7 @@ def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
         if key in _ready:
             return
         try:
-            _tl()[0].build_all(pipeline(*key).values(), workers=workers, progress=_progress)
+            _csrc_tl().build_all(pipeline(*key).values(), workers=workers, progress=_progress)
         finally:  # a kernel that failed is remembered by the build layer, not retried here
             _ready.add(key)
 
@@ -87,7 +93,7 @@ def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
     kernel = _kernels.get((op, key), _MISSING)
     if kernel is _MISSING:
         try:
-            csrc_tl = _tl()[0]
+            csrc_tl = _csrc_tl()
             factory, config = pipeline(*key)[op]
             if not csrc_tl.in_memory(factory, **config):
                 try:
