@@ -60,13 +60,7 @@ def reduce_overhead_case(dtype):
     """The CUDA-graph test at ``dtype``: expected to pass where every op runs its TileLang
     kernel (no host sync, no tensor kept across calls); xfail on the PyTorch kernels."""
     if runs_tilelang_kernels(dtype):
-        # On the H200 (session 2) this case failed with "accessing tensor output of CUDAGraphs
-        # that has been overwritten by a subsequent run" after the fp32 case had failed in the
-        # same process; the loop now marks each step (cudagraph_mark_step_begin), not yet re-run
-        # there. tests/test_cuda_pipeline.py::test_cuda_graphs_reduce_overhead passes on the
-        # kernels with no cudagraph skip.
-        return pytest.param(dtype, id=dtype_id(dtype), marks=pytest.mark.xfail(
-            strict=False, reason="step marking not yet re-run on the H200 (see comment)"))
+        return pytest.param(dtype, id=dtype_id(dtype))
     reason = ("the PyTorch kernels on CUDA sync the host and cache layouts built during capture; "
               "graph capture needs every op on its TileLang kernel (bf16 at "
               "TORCH_DPLR_TEST_HEAD_DIM=64/128)")
@@ -88,7 +82,11 @@ def test_rwkv7_block_reduce_overhead_cuda(dtype):
     block = make_block(dtype=dtype).cuda()
     compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
     for step in range(3):  # warm-up, record, replay
-        torch.compiler.cudagraph_mark_step_begin()  # one training step per iteration
+        # One training step per iteration. The parameter gradients of a replayed backward live
+        # in the graph's memory pool, so they are dropped before the next replay overwrites them
+        # (as an optimizer's zero_grad(set_to_none=True) does); accumulating into them fails.
+        block.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()
         x = block_input(T=64, seed=step, dtype=dtype).cuda()
         y = compiled(x)
         y_ref = block(x)

@@ -9,8 +9,8 @@ Contract: :func:`torch_dplr.ops.intra.chunk_intra_fwd_reference` (math in
     A_ak[i,j] =       sum_k a_ik k_jk 2^(ge_ik - gi_jk)   j <  i     (A_ab: b instead of k)
     qg = scale q 2^gi   kg = k 2^(gl - gi)   ag = a 2^ge   bg = b 2^(gl - gi)
 
-Entries above the mask are written as 0. Rows past a sequence's end are zero inputs (gate 0,
-so gi stays at the last real row and ``gl`` is gi of the last real row) and are never written.
+Entries above the mask are written as 0. Rows past a sequence's end count with gate 0 (so gi
+stays at the last real row and ``gl`` is gi of the last real row) and are never written.
 
 Grid and layout
 ---------------
@@ -52,12 +52,20 @@ GEMM operands are fp32 in shared memory, rounded to tf32 (round-to-nearest) when
 multiplied with tf32 tensor-core MMAs: 2^-11 relative per operand for both bf16 and fp16
 inputs, and no fp16 range issue for the centred operands (DESIGN.md section 6).
 
-Shared memory (TileLang overlaps buffers by liveness): centred, BK = 64, C = 64: gates 16 KB
-+ four fp32 operands 64 KB = 82 KB; tiled, BK = 32, C = 64: seven padded fp32 C x (BK + 1)
-tiles (gates, q, a, k, b and the factored k, b) 59 KB + four C x BK operands 32 KB = 92 KB.
-Both fit 2 CTAs per SM (registers: ~200 / ~225 per thread at 128 threads). No TMA (with
-symbolic shapes its descriptors would be encoded on the host every launch) and no async
-copies: latency is hidden by the second CTA and the unrolled, batched loads.
+Loads: each K block starts with one burst of vectorized copies of its five input tiles into
+shared memory (centred: the raw q/k/a/b tiles in the data dtype; tiled: straight into the fp32
+tiles the scheme keeps anyway), so the loads are independent and in flight together. An earlier
+version read the inputs inside the element-wise passes: scalar loads behind branches and
+stores, one memory latency per unrolled iteration, 10% of HBM bandwidth on the H200. Rows past
+L are not masked at load (see the comment at the loads); the gated outputs get a pass of their
+own so that their stores are row-major.
+
+Shared memory (TileLang overlaps buffers by liveness): centred, BK = 64, C = 64: gates 16 KB,
+raw tiles 32 KB, four fp32 operands 64 KB = 112 KB; tiled, BK = 32, C = 64: seven padded
+fp32 C x (BK + 1) tiles plus four C x BK operands, 92 KB. Both fit 2 CTAs per SM, which is
+also the register limit (~205 / 255 per thread at 128 threads; the tiled C = 64 variant spills
+~24 bytes). No TMA (with symbolic shapes its descriptors would be encoded on the host every
+launch) and no async copies.
 
 Signature (call ``kernel(*inputs, *outputs)``, nothing returned)::
 
@@ -129,9 +137,9 @@ def _default_threads(C: int) -> int:
 
 
 def _default_block_k(C: int, K: int, scheme: str) -> int:
-    # centred: four fp32 operands of C x BK (64 KB at C = 64, BK = 64); C = 16 runs 64 threads,
-    # fewer columns each. tiled: seven padded fp32 C x (BK + 1) tiles plus four C x BK
-    # operands, 92 KB at C = 64, BK = 32.
+    # centred: raw tiles plus four fp32 operands of C x BK (112 KB at C = 64, BK = 64, two
+    # CTAs per SM); C = 16 runs 64 threads, fewer columns each. tiled: seven padded fp32
+    # C x (BK + 1) tiles plus four C x BK operands, 92 KB at C = 64, BK = 32.
     return min(K, 64 if scheme == "centred" and C > 16 else 32)
 
 
@@ -224,6 +232,12 @@ def intra_fwd_kernel(
             T.clear(F_qb)
             T.clear(F_ak)
             T.clear(F_ab)
+            # raw inputs of the K block (the operands are built from them in separate buffers:
+            # an in-place T.Parallel pass would get a barrier per iteration)
+            q_t = T.alloc_shared((C, BK), dtype)
+            a_t = T.alloc_shared((C, BK), dtype)
+            k_t = T.alloc_shared((C, BK), dtype)
+            b_t = T.alloc_shared((C, BK), dtype)
         else:
             # off-diagonal operands of the current column block J (built one J at a time):
             # X / Y q- / a-side rows of sub-blocks > J; Kr / Br k- / b-side factored to the
@@ -245,6 +259,7 @@ def intra_fwd_kernel(
             bS = T.alloc_shared((C, BK + 1), f32)
             kF = T.alloc_shared((C, BK + 1), f32)
             bF = T.alloc_shared((C, BK + 1), f32)
+            q_t, a_t, k_t, b_t = qS, aS, kS, bS  # the raw inputs are loaded straight into these
             accE = T.alloc_local((4 * _HALF,), f32)  # own half, exact exponents
             accF = T.alloc_local((4 * _HALF,), f32)  # first half seen from the second
             w = T.alloc_local((2,), f32)
@@ -254,16 +269,27 @@ def intra_fwd_kernel(
 
         for kb in T.serial(n_kb):
             k0 = kb * BK
-            # ---- gates: load (log2 units), then scan down the rows ----
-            for r, c in T.Parallel(C, BK):
-                G[r, c] = T.if_then_else(r < L, T.Cast(f32, gk[i_b, t0 + r, i_h, k0 + c]), T.float32(0)) * LOG2E
+            # Every input tile of this K block in one burst of independent vector loads, so that
+            # no load waits behind another. Rows past L hold another sequence's tokens (or lie
+            # past T and read as 0). They are not masked: the scan zeroes their gates, the gated
+            # outputs are not stored there, and in the products a row past L only reaches row
+            # or column r >= L of a matrix, which is either not stored or above the diagonal of
+            # a stored row (discarded by a select, so even a non-finite value cannot leak).
+            T.copy(gk[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], G[:, 0:BK])
+            T.copy(q[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], q_t[:, 0:BK])
+            T.copy(a[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], a_t[:, 0:BK])
+            T.copy(k[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], k_t[:, 0:BK])
+            T.copy(b[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], b_t[:, 0:BK])
             T.sync_threads()
+            # ---- gates in log2 units (0 past L), scanned down the rows. One thread per
+            # (column, row segment), in place: thread-indexed, so no barrier per row ----
             col = tx % BK
             seg = tx // BK
             run[0] = T.float32(0)
             for r in T.unroll(SL):
-                run[0] = run[0] + G[seg * SL + r, col]
-                G[seg * SL + r, col] = run[0]
+                row = seg * SL + r
+                run[0] = run[0] + T.if_then_else(row < L, G[row, col] * LOG2E, T.float32(0))
+                G[row, col] = run[0]
             if NSEG > 1:
                 Tot[seg, col] = run[0]
                 T.sync_threads()
@@ -278,50 +304,39 @@ def intra_fwd_kernel(
             for c in T.Parallel(BK):
                 gl[i_b, i_c, i_h, k0 + c] = G[C - 1, c]
 
-            # ---- q side: qg and the q operands ----
+            # ---- gated outputs: qg = scale q 2^gi, ag = a 2^ge, kg / bg = k / b 2^(gl - gi) ----
+            # (a pass of its own, so that its global stores take a row-major, vectorized layout)
             for r, c in T.Parallel(C, BK):
-                qv = T.if_then_else(r < L, T.Cast(f32, q[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
-                gi = G[r, c]
                 if r < L:
-                    qg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, qv * scale * T.exp2(gi))
-                if centred:
-                    Qc[r, c] = _tf32(qv * T.exp2(gi - G[mid, c]))
-                else:
-                    qS[r, c] = qv
-            # ---- a side: ge_i = gi_{i-1} ----
-            for r, c in T.Parallel(C, BK):
-                av = T.if_then_else(r < L, T.Cast(f32, a[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
-                ge = T.if_then_else(r > 0, G[r - 1, c], T.float32(0))
-                if r < L:
-                    ag[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, av * T.exp2(ge))
-                if centred:
-                    Ac[r, c] = _tf32(av * T.exp2(ge - G[mid, c]))
-                else:
-                    aS[r, c] = av
-            # ---- k / b side ----
-            for r, c in T.Parallel(C, BK):
-                kv = T.if_then_else(r < L, T.Cast(f32, k[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
-                bv = T.if_then_else(r < L, T.Cast(f32, b[i_b, t0 + r, i_h, k0 + c]), T.float32(0))
-                gi = G[r, c]
-                to_end = T.exp2(G[C - 1, c] - gi)
-                if r < L:
-                    kg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, kv * to_end)
-                    bg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, bv * to_end)
-                if centred:
-                    f = T.exp2(G[mid, c] - gi)
-                    Kc[r, c] = _tf32(kv * f)
-                    Bc[r, c] = _tf32(bv * f)
-                else:
-                    kS[r, c] = kv
-                    bS[r, c] = bv
+                    gi = G[r, c]
+                    ge = T.if_then_else(r > 0, G[r - 1, c], T.float32(0))
+                    to_end = T.exp2(G[C - 1, c] - gi)
+                    qg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, q_t[r, c]) * scale * T.exp2(gi))
+                    ag[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, a_t[r, c]) * T.exp2(ge))
+                    kg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, k_t[r, c]) * to_end)
+                    bg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, b_t[r, c]) * to_end)
+            # ---- GEMM operands ----
+            if centred:
+                for r, c in T.Parallel(C, BK):
+                    Qc[r, c] = _tf32(T.Cast(f32, q_t[r, c]) * T.exp2(G[r, c] - G[mid, c]))
+                for r, c in T.Parallel(C, BK):
+                    ge = T.if_then_else(r > 0, G[r - 1, c], T.float32(0))
+                    Ac[r, c] = _tf32(T.Cast(f32, a_t[r, c]) * T.exp2(ge - G[mid, c]))
+                for r, c in T.Parallel(C, BK):
+                    f = T.exp2(G[mid, c] - G[r, c])
+                    Kc[r, c] = _tf32(T.Cast(f32, k_t[r, c]) * f)
+                    Bc[r, c] = _tf32(T.Cast(f32, b_t[r, c]) * f)
+            else:
+                for r, c in T.Parallel(C, BK):
+                    gi = G[r, c]
                     if nb > 1:
                         f = T.exp2(G[(r // _SUB) * _SUB + _SUB - 1, c] - gi)
-                        Kr[r, c] = _tf32(kv * f)
-                        Br[r, c] = _tf32(bv * f)
+                        Kr[r, c] = _tf32(kS[r, c] * f)
+                        Br[r, c] = _tf32(bS[r, c] * f)
                     if r % _SUB < _HALF:
                         f = T.exp2(G[(r // _SUB) * _SUB + _HALF - 1, c] - gi)
-                        kF[r, c] = kv * f
-                        bF[r, c] = bv * f
+                        kF[r, c] = kS[r, c] * f
+                        bF[r, c] = bS[r, c] * f
             T.sync_threads()
 
             # ---- tensor-core products ----

@@ -6,6 +6,7 @@
 #   SANITIZE=1          compute-sanitizer racecheck + memcheck over tools/sanitize_kernels.py
 #   SELFCHECK=<s>       python -m torch_dplr --json
 #   BENCH="<args>"      python -m torch_dplr bench <args> (results under $OUT/bench)
+#   PROFILE="<args>"    tools/profile_pipeline.py <args>: per-kernel device time ($OUT/profile.*)
 #   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time
 set -u
 t0=$(date +%s)
@@ -42,6 +43,11 @@ fi
 if [ -n "${BENCH:-}" ]; then
   # shellcheck disable=SC2086
   step bench "${BENCH_TIMEOUT:-400}" python3 -m torch_dplr bench --out "$OUT/bench" $BENCH
+fi
+if [ -n "${PROFILE+x}" ]; then
+  # shellcheck disable=SC2086
+  step profile 300 python3 tools/profile_pipeline.py --out "$OUT/profile.jsonl" $PROFILE
+  grep -A12 "^==" "$OUT/profile.log"
 fi
 if [ -n "${SAVE_CACHE:-}" ]; then
   tar -C /tmp/tlc -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"; ls -la "$OUT/tlcache.tar.xz"
