@@ -8,9 +8,11 @@ neighbouring bytes of a token row), times B on grid y. Slot s covers rows
 chunk_start[s] .. chunk_start[s] + chunk_len[s] - 1 (the tables of
 :func:`torch_dplr.ops.varlen.kernel_tables`: a rect batch is passed as the sequence list of
 its flattened [1, B*T] view, so rect and varlen are one kernel). Rows past chunk_len are
-zero in every operand: they are never read (they belong to the next sequence or lie past
-T) and never written; a slot with chunk_len 0 does nothing. Everything happens in shared
-memory and registers; inputs are read once and outputs written once.
+zero in every operand: the bulk copies bring them in (they belong to the next sequence, or
+lie past T and arrive as zeros), but they are masked wherever the staged copies are read
+(ag, v: zeroed in place) and never written; a slot with chunk_len 0 does nothing.
+Everything happens in shared memory and registers; inputs are read once and outputs
+written once.
 
 Triangular inverse, on tensor cores except for 16x16 diagonal blocks
 --------------------------------------------------------------------
@@ -49,14 +51,45 @@ pass. The final products with the data (ag, v) split only the fp32 factor
 into two terms of the data dtype, so w and u carry fp32-accurate sums
 rounded once to the output dtype. fp32 data splits both sides (3 terms).
 
-Memory: A_ab is read once: its diagonal blocks as fp32 (for D), the rest
-into its bf16 split (C <= 32: via one masked, vectorized fp32 staging copy).
-A_ak goes straight into its split. TileLang reuses shared memory by liveness;
-at C = 64 the data (A_ak, ag, v) is loaded after the inverse so a CTA needs
-64 KB (bf16, K = V = 128) and 3 fit per SM. No TMA: with symbolic shapes
-its descriptors would be encoded on the host at every launch.
-Registers (ptxas, sm_90a, bf16 / fp16 alike, no spills): C = 16: 75;
-C = 32: 85 (K = 64), 138 (K = 128); C = 64: 117 (under the 168 cap).
+Loads, overlap, occupancy
+-------------------------
+Every global load of a CTA is issued before any math, as cp.async bulk copies of the
+chunk's rows (16 bytes per thread and instruction, one commit group per tensor, no
+branches): A_ab and A_ak (fp32, C x C), ag and v. The kernel waits for A_ab alone, builds
+the inverse while the rest is in flight, and waits for the others before the products with
+the data. Masks (rows >= chunk_len; the upper triangles, which may hold anything) are
+applied when the staged tiles are read, never at load time. The head index is computed
+once into a register (inlined, ``i_sh % H`` was a 64-bit remainder behind a branch at
+every global access). Why: the previous version loaded element-wise inside the parallel
+passes; A_ak came as 32 scalar 4-byte loads per thread, each behind such a branch and
+between shared-memory stores, after the whole inverse, so each waited a full memory
+latency (2.15 ms, 14% of HBM bandwidth at the design shape).
+
+At C = 64 (one warpgroup) the wgmma GEMMs are issued without waiting: the terms of a
+split product back to back, P = D + M D together with M^2, Q = Inv A_ak together with
+w = Inv ag; one wait per phase. w and u go through swizzled shared memory (stmatrix) and
+out as 16-byte row stores (w while u = Q v runs); A_ab_inv goes out from the accumulator
+fragment (8-byte stores, whole 32-byte sectors).
+
+``late_data`` issues the copies of ag and v only after the inverse (into memory it freed),
+so they land while Q = Inv A_ak is computed: less shared memory, more CTAs per SM, their
+latency partly exposed. Not the default; worth measuring at K = 128.
+
+TileLang reuses shared memory by liveness (the staged copies are live from their issue).
+Per CTA (bf16; ptxas sm_90a, no spills) and CTAs per SM on the H200 (228 KB of shared
+memory, 64K registers, 1 KB reserved per CTA):
+
+    C   K    threads  shared    registers  CTAs/SM   (late_data: shared, regs, CTAs)
+    64  64   128      72 KB     114        3         56 KB, 114, 4
+    64  128  128      88 KB     138        2         64 KB, 115, 3
+    32  64   64       22 KB     100        9
+    32  128  64       30 KB     130        7
+    16  64   64       7 KB      48         21
+    16  128  64       11 KB     66         14
+
+(the previous version, C = 64: 52 KB / 117 registers / 4 CTAs at K = 64, 64 KB / 3 at
+K = 128). No TMA: with symbolic shapes its descriptors would be encoded on the host at
+every launch.
 
 Signature (call ``kernel(*inputs, *outputs)``, nothing returned)::
 
@@ -72,6 +105,7 @@ call time), T, H and S are symbolic: no recompile for a new size or sequence lis
 import itertools
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from .compile import canonical_dtype
 
@@ -87,12 +121,14 @@ _ACC = "float32"
 _SPLIT = "bfloat16"  # dtype of the hi/lo terms of fp32 x fp32 products
 
 
-# Default schedule per chunk size: (threads, stage_ab, late_data, min_blocks).
-# C = 64: one warpgroup so the C x C GEMMs are wgmma (M = 64); data loaded
-# after the inverse so 64 KB of smem and a 168-register cap give 3 CTAs/SM.
-# C <= 32: mma.sync; 2 warps, A_ab staged by one (masked, vectorized) copy.
-# Measured on the H200 (B=1, T=32768, H=32, K=V=128, bf16), see the report.
-_SCHEDULES = {16: (64, True, False, 0), 32: (64, True, False, 0), 64: (128, False, True, 3)}
+# Default schedule per chunk size: (threads, late_data, min_blocks).
+# C = 64: one warpgroup, so the C x C GEMMs are wgmma (M = 64), issued
+# asynchronously; every input copy is issued at the start. C <= 32: mma.sync
+# on 2 warps. min_blocks = 3 caps registers at 168 (3 CTAs of 128 threads).
+# Not yet measured on the H200 (see the module docstring for the occupancy).
+_SCHEDULES = {16: (64, False, 0), 32: (64, False, 0), 64: (128, False, 3)}
+
+_NOWAIT = {"wg_wait": -1}  # issue a wgmma without waiting; T.wait_wgmma(0) joins
 
 
 def wy_fwd_kernel(
@@ -110,12 +146,13 @@ def wy_fwd_kernel(
     C: chunk size (16, 32, 64); K, V: head dims (multiples of 16, <= 256);
     dtype: dtype of ag / v / w / u.
     Schedule knobs (None: the per-C default in _SCHEDULES; results do not
-    depend on them): threads; stage_ab copies the A_ab tile to fp32 shared
-    memory first (vector loads, 4 B/elem more smem) instead of loading it
-    element-wise into its two destinations; late_data loads A_ak / ag / v
-    after the inverse (less smem, exposed latency); min_blocks > 0 asks nvcc
-    to fit that many CTAs per SM (caps registers).
+    depend on them): threads; late_data issues the copies of ag / v after
+    the inverse instead of at the start (less shared memory, latency partly
+    exposed; see the module docstring); min_blocks > 0 asks nvcc to fit that
+    many CTAs per SM (caps registers). stage_ab is accepted for older callers
+    and has no effect: A_ab is always staged by one cp.async copy.
     """
+    del stage_ab  # always staged now (see the docstring)
     dtype = canonical_dtype(dtype)
     if C not in CHUNK_SIZES:
         raise ValueError(f"chunk size C={C} not in {CHUNK_SIZES}")
@@ -124,9 +161,8 @@ def wy_fwd_kernel(
             raise ValueError(f"{name}={d}: need a multiple of 16 in [16, 256]")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype} not in {DTYPES}")
-    d_threads, d_stage, d_late, d_min = _SCHEDULES[C]
+    d_threads, d_late, d_min = _SCHEDULES[C]
     threads = d_threads if threads is None else threads
-    stage_ab = d_stage if stage_ab is None else stage_ab
     late_data = d_late if late_data is None else late_data
     min_blocks = d_min if min_blocks is None else min_blocks
     if threads < C:
@@ -141,57 +177,115 @@ def wy_fwd_kernel(
     ddt = _SPLIT if dtype == "float32" else dtype
     data_split = dtype == "float32"  # data itself needs a hi/lo split
     share_inv = ddt == _SPLIT  # one hi/lo pair of Inv serves both uses
+    # wgmma (one warpgroup per 64 rows) can be issued without waiting; mma.sync cannot
+    wgmma = C % 64 == 0 and threads % 128 == 0
+    nowait = _NOWAIT if wgmma else None
 
     B, Tn, H, NS = T.dynamic("B, T, H, NS")
 
     @T.macro
+    def join(acc, acc2=None):
+        # wait for the GEMMs issued with `nowait` (mma.sync ones are done already); the
+        # fences keep nvcc from hoisting reads of the accumulators above the wait
+        if wgmma:
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(acc, num_regs=acc.shape[0] * acc.shape[1] // threads)
+            if acc2 is not None:
+                T.warpgroup_fence_operand(acc2, num_regs=acc2.shape[0] * acc2.shape[1] // threads)
+
+    @T.macro
+    def split_of(value, hi, lo):
+        # hi + lo == value(i, j) to ~2^-17 relative; value an fp32 expression
+        for i, j in T.Parallel(*hi.shape):
+            x = value(i, j)
+            hi[i, j] = T.Cast(hi.dtype, x)
+            lo[i, j] = T.Cast(lo.dtype, x - T.Cast(_ACC, T.Cast(hi.dtype, x)))
+
     def split(src, hi, lo):
-        # hi + lo == src to ~2^-17 relative; src fp32 (shared or fragment)
-        for i, j in T.Parallel(*src.shape):
-            hi[i, j] = T.Cast(hi.dtype, src[i, j])
-            lo[i, j] = T.Cast(lo.dtype, src[i, j] - T.Cast(_ACC, T.Cast(hi.dtype, src[i, j])))
+        split_of(lambda i, j: src[i, j], hi, lo)
+
+    def masked(src, keep):
+        # src[i, j] where keep(i, j), else 0: masks are applied on the staged copy
+        return lambda i, j: T.if_then_else(keep(i, j), src[i, j], T.float32(0))
 
     @T.macro
     def gemm3(Xh, Xl, Yh, Yl, acc):
-        # acc += X Y with both factors split; small terms first
-        T.gemm(Xl, Yh, acc)
-        T.gemm(Xh, Yl, acc)
-        T.gemm(Xh, Yh, acc)
+        # acc += X Y with both factors split; small terms first; the caller joins
+        T.gemm(Xl, Yh, acc, annotations=nowait)
+        T.gemm(Xh, Yl, acc, annotations=nowait)
+        T.gemm(Xh, Yh, acc, annotations=nowait)
 
     @T.macro
-    def load_rows(src, i_b, i_h, t0, L, dst):
-        # dst = the chunk's rows of src, zero past the slot's L rows (never read there)
-        for i, j in T.Parallel(*dst.shape):
-            dst[i, j] = T.if_then_else(i < L, src[i_b, t0 + i, i_h, j], T.Cast(dst.dtype, 0))
+    def gemm2(Xh, Xl, Y, acc):
+        # acc += X Y with X split (Y holds data of the dtype); the caller joins
+        T.gemm(Xl, Y, acc, annotations=nowait)
+        T.gemm(Xh, Y, acc, annotations=nowait)
 
     @T.macro
-    def load_rows_split(src, i_b, i_h, t0, L, hi, lo):
-        # fp32 data: its rows as a hi/lo split, zero past L
-        for i, j in T.Parallel(*hi.shape):
-            x = T.if_then_else(i < L, src[i_b, t0 + i, i_h, j], T.float32(0))
-            hi[i, j] = T.Cast(_SPLIT, x)
-            lo[i, j] = T.Cast(_SPLIT, x - T.Cast(_ACC, T.Cast(_SPLIT, x)))
+    def copy_rows(src, i_b, i_h, t0, dst):
+        # cp.async of the chunk's C rows (one commit group); rows past T arrive as zeros
+        T.async_copy(src[i_b, t0 : t0 + C, i_h, :], dst)
+
+    @T.macro
+    def zero_rows_past(L, buf):
+        # rows L.. hold another sequence's tokens: zero them in place (last chunk only)
+        if L < C:
+            for i, j in T.Parallel(*buf.shape):
+                if i >= L:
+                    buf[i, j] = T.Cast(buf.dtype, 0)
 
     @T.macro
     def store_rows(src, dst, i_b, i_h, t0, L):
-        # the slot's L rows of a fragment -> global; nothing past L
+        # the slot's L rows -> global; nothing past L
         for i, j in T.Parallel(*src.shape):
             if i < L:
                 dst[i_b, t0 + i, i_h, j] = T.Cast(dst.dtype, src[i, j])
 
     @T.macro
-    def load_data(A_ak, ag, v, i_b, i_h, t0, L, Akh, Akl, dst_g, dst_v):
-        # A_ak (masked strictly lower) split; ag, v (split when fp32)
-        for i, j in T.Parallel(C, C):
-            a = T.if_then_else((i > j) and (i < L), A_ak[i_b, t0 + i, i_h, j], T.float32(0))
-            Akh[i, j] = T.Cast(_SPLIT, a)
-            Akl[i, j] = T.Cast(_SPLIT, a - T.Cast(_ACC, T.Cast(_SPLIT, a)))
+    def block_diagonal_inverses(Ab_s, L, x, Dd_s):
+        # D = (I - Nd)^-1 by forward substitution, one thread per column of D:
+        # Dd_s[r, c % 16] = D[r, c] for row r in c's 16-row block. Rows >= L of
+        # Nd read as zero.
+        tx = T.get_thread_binding()
+        if tx < C:
+            r0 = (tx // S) * S  # first row / column of this thread's block
+            for r in T.unroll(S):
+                x[r] = T.if_then_else(r0 + r == tx, T.float32(1), T.float32(0))
+                for j in T.unroll(S):
+                    if j < r:
+                        x[r] = x[r] + T.if_then_else(r0 + r < L, Ab_s[r0 + r, r0 + j], T.float32(0)) * x[j]
+            for r in T.unroll(S):
+                Dd_s[r0 + r, tx % S] = x[r]
+
+    @T.macro
+    def product_q(Ih, Il, Akh, Akl, Q_f):
+        T.clear(Q_f)
+        gemm3(Ih, Il, Akh, Akl, Q_f)  # Q = Inv A_ak
+
+    @T.macro
+    def product_w(Ih, Il, Iwh, Iwl, ag_s, agh, agl, W_f):
+        # W = Inv ag: both factors split (fp32 data), or Inv's pair for the data dtype
+        T.clear(W_f)
         if data_split:
-            load_rows_split(ag, i_b, i_h, t0, L, dst_g[0], dst_g[1])
-            load_rows_split(v, i_b, i_h, t0, L, dst_v[0], dst_v[1])
+            gemm3(Ih, Il, agh, agl, W_f)
+        elif share_inv:
+            gemm2(Ih, Il, ag_s, W_f)
         else:
-            load_rows(ag, i_b, i_h, t0, L, dst_g)
-            load_rows(v, i_b, i_h, t0, L, dst_v)
+            gemm2(Iwh, Iwl, ag_s, W_f)
+
+    @T.macro
+    def prepare_data(L, ag_s, v_s, agh, agl, vh, vl):
+        # rows >= L of ag, v read as zero: split (fp32 data) or zeroed in place
+        if data_split:
+            split_of(masked(ag_s, lambda i, j: i < L), agh, agl)
+            split_of(masked(v_s, lambda i, j: i < L), vh, vl)
+        else:
+            zero_rows_past(L, ag_s)
+            zero_rows_past(L, v_s)
+
+    def d_entry(Dd_s):
+        # D[i, j] from its compact form (zero off the diagonal blocks)
+        return lambda i, j: T.if_then_else(i // S == j // S, Dd_s[i, j % S], T.float32(0))
 
     @T.prim_func
     def wy_fwd(
@@ -209,13 +303,18 @@ def wy_fwd_kernel(
         with T.Kernel(NS * H, B, threads=threads) as (i_sh, i_b):
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
-            i_h = i_sh % H
+            # a register, computed once: inlined, `% H` became a 64-bit remainder per access
+            i_h = T.alloc_var("int32", init=i_sh % H)
             i_s = i_sh // H
             t0 = chunk_start[i_s]
             L = chunk_len[i_s]
 
-            Nd_s = T.alloc_shared((C, S), _ACC)  # diagonal blocks of A_ab
-            D_s = T.alloc_shared((C, C), _ACC)  # block-diagonal inverse D
+            # staged inputs (cp.async); masks are applied where they are read
+            Ab_s = T.alloc_shared((C, C), _ACC)
+            Ak_s = T.alloc_shared((C, C), _ACC)
+            ag_s = T.alloc_shared((C, K), dtype)
+            v_s = T.alloc_shared((C, V), dtype)
+            Dd_s = T.alloc_shared((C, S), _ACC)  # block-diagonal inverse D, compact
             Ih = T.alloc_shared((C, C), _SPLIT)  # the inverse, split
             Il = T.alloc_shared((C, C), _SPLIT)
             Akh = T.alloc_shared((C, C), _SPLIT)  # A_ak (strictly lower), split
@@ -227,14 +326,16 @@ def wy_fwd_kernel(
             W_f = T.alloc_fragment((C, K), _ACC)
             U_f = T.alloc_fragment((C, V), _ACC)
             x = T.alloc_local((S,), _ACC)
+            # w, u staged in shared memory (swizzled: conflict-free fragment writes) for 16-byte stores
+            Wo_s = T.alloc_shared((C, K), dtype)
+            Uo_s = T.alloc_shared((C, V), dtype)
+            T.annotate_layout({Wo_s: make_swizzled_layout(Wo_s), Uo_s: make_swizzled_layout(Uo_s)})
+            agh = agl = vh = vl = Iwh = Iwl = None  # allocated below where used
             if data_split:
                 agh = T.alloc_shared((C, K), _SPLIT)
                 agl = T.alloc_shared((C, K), _SPLIT)
                 vh = T.alloc_shared((C, V), _SPLIT)
                 vl = T.alloc_shared((C, V), _SPLIT)
-            else:
-                ag_s = T.alloc_shared((C, K), dtype)
-                v_s = T.alloc_shared((C, V), dtype)
             if nb > 1:
                 Dh = T.alloc_shared((C, C), _SPLIT)
                 Dl = T.alloc_shared((C, C), _SPLIT)
@@ -249,94 +350,94 @@ def wy_fwd_kernel(
                 Ph = T.alloc_shared((C, C), _SPLIT)
                 Pl = T.alloc_shared((C, C), _SPLIT)
                 M2_f = T.alloc_fragment((C, C), _ACC)
-            if stage_ab:
-                N_s = T.alloc_shared((C, C), _ACC)
             if not share_inv:
                 Iwh = T.alloc_shared((C, C), ddt)
                 Iwl = T.alloc_shared((C, C), ddt)
 
             if L > 0:  # unused slot: nothing to read or write
-                # ---- loads of A_ab: diagonal blocks (fp32) and the rest (split) ----
-                if stage_ab:  # one vectorized copy of the tile, then split in smem
-                    load_rows(A_ab, i_b, i_h, t0, L, N_s)
-                    for i, j in T.Parallel(C, S):
-                        Nd_s[i, j] = N_s[i, (i // S) * S + j]
-                    if nb > 1:
-                        for i, j in T.Parallel(C, C):
-                            l = T.if_then_else(i // S > j // S, N_s[i, j], T.float32(0))
-                            Lh[i, j] = T.Cast(_SPLIT, l)
-                            Ll[i, j] = T.Cast(_SPLIT, l - T.Cast(_ACC, T.Cast(_SPLIT, l)))
-                else:  # element loads straight into the fp32 diagonal / bf16 split
-                    for i, j in T.Parallel(C, S):
-                        Nd_s[i, j] = T.if_then_else(i < L, A_ab[i_b, t0 + i, i_h, (i // S) * S + j], T.float32(0))
-                    if nb > 1:
-                        for i, j in T.Parallel(C, C):
-                            l = T.if_then_else((i // S > j // S) and (i < L), A_ab[i_b, t0 + i, i_h, j], T.float32(0))
-                            Lh[i, j] = T.Cast(_SPLIT, l)
-                            Ll[i, j] = T.Cast(_SPLIT, l - T.Cast(_ACC, T.Cast(_SPLIT, l)))
-                if not late_data:
-                    if data_split:
-                        load_data(A_ak, ag, v, i_b, i_h, t0, L, Akh, Akl, (agh, agl), (vh, vl))
-                    else:
-                        load_data(A_ak, ag, v, i_b, i_h, t0, L, Akh, Akl, ag_s, v_s)
+                # ---- the CTA's loads in flight at once: one cp.async group per tensor ----
+                copy_rows(A_ab, i_b, i_h, t0, Ab_s)
+                copy_rows(A_ak, i_b, i_h, t0, Ak_s)
+                if late_data:
+                    T.ptx_wait_group(1)  # A_ab
+                else:
+                    copy_rows(ag, i_b, i_h, t0, ag_s)
+                    copy_rows(v, i_b, i_h, t0, v_s)
+                    T.ptx_wait_group(3)  # A_ab
+                T.sync_threads()
 
-                # ---- D: 16x16 diagonal-block inverses, one column per thread ----
-                tx = T.get_thread_binding()
-                if tx < C:
-                    r0 = (tx // S) * S  # first row / column of this thread's block
-                    for r in T.unroll(S):
-                        x[r] = T.if_then_else(r0 + r == tx, T.float32(1), T.float32(0))
-                        for j in T.unroll(S):
-                            if j < r:
-                                x[r] = x[r] + Nd_s[r0 + r, j] * x[j]
-                    for b in T.unroll(nb):
-                        for r in T.unroll(S):
-                            D_s[b * S + r, tx] = T.if_then_else(b * S == r0, x[r], T.float32(0))
+                # ---- A_ab -> D (CUDA cores) and L = A_ab below the diagonal blocks, split ----
+                if nb > 1:
+                    split_of(masked(Ab_s, lambda i, j: (i // S > j // S) and (i < L)), Lh, Ll)
+                block_diagonal_inverses(Ab_s, L, x, Dd_s)
+                T.sync_threads()
+                for i, j in T.Parallel(C, C):
+                    P_f[i, j] = d_entry(Dd_s)(i, j)
 
                 # ---- Inv = (I - M)^-1 D with M = D L, accumulated in P_f ----
-                T.copy(D_s, P_f)
                 if nb > 1:
-                    split(D_s, Dh, Dl)
+                    split_of(d_entry(Dd_s), Dh, Dl)
                     T.clear(M_f)
                     gemm3(Dh, Dl, Lh, Ll, M_f)  # M = D L
+                    join(M_f)
                     split(M_f, Mh, Ml)
                     gemm3(Mh, Ml, Dh, Dl, P_f)  # P = D + M D
+                    if nb > 2:
+                        T.clear(M2_f)
+                        gemm3(Mh, Ml, Mh, Ml, M2_f)  # M^2, in flight with P
+                        join(P_f, M2_f)
+                    else:
+                        join(P_f)
                 if nb > 2:
-                    T.clear(M2_f)
-                    gemm3(Mh, Ml, Mh, Ml, M2_f)  # M^2
                     split(M2_f, M2h, M2l)
                     split(P_f, Ph, Pl)
                     gemm3(M2h, M2l, Ph, Pl, P_f)  # Inv = P + M^2 P
-                store_rows(P_f, A_inv, i_b, i_h, t0, L)
+                    join(P_f)
                 split(P_f, Ih, Il)
-                if late_data:
-                    if data_split:
-                        load_data(A_ak, ag, v, i_b, i_h, t0, L, Akh, Akl, (agh, agl), (vh, vl))
-                    else:
-                        load_data(A_ak, ag, v, i_b, i_h, t0, L, Akh, Akl, ag_s, v_s)
+                store_rows(P_f, A_inv, i_b, i_h, t0, L)
 
-                # ---- Q = Inv A_ak, then w = Inv ag and u = Q v, one at a time ----
-                T.clear(Q_f)
-                gemm3(Ih, Il, Akh, Akl, Q_f)
-                split(Q_f, Qh, Ql)
-                T.clear(W_f)
-                if data_split:
-                    gemm3(Ih, Il, agh, agl, W_f)
-                elif share_inv:
-                    T.gemm(Il, ag_s, W_f)
-                    T.gemm(Ih, ag_s, W_f)
-                else:
+                # ---- A_ak split: strictly lower, rows < L ----
+                T.ptx_wait_group(0)  # late_data: A_ak; else everything
+                T.sync_threads()
+                split_of(masked(Ak_s, lambda i, j: (i > j) and (i < L)), Akh, Akl)
+                if not share_inv:  # Inv as two terms of the data dtype (fp16), for w = Inv ag
                     split(P_f, Iwh, Iwl)
-                    T.gemm(Iwl, ag_s, W_f)
-                    T.gemm(Iwh, ag_s, W_f)
-                store_rows(W_f, w, i_b, i_h, t0, L)
+
+                # ---- Q = Inv A_ak, w = Inv ag ----
+                if late_data:
+                    # ag, v go out now, into memory the inverse freed, and land while Q is made
+                    T.sync_threads()  # every thread is done with Ak_s (ag_s, v_s may reuse it)
+                    copy_rows(ag, i_b, i_h, t0, ag_s)
+                    copy_rows(v, i_b, i_h, t0, v_s)
+                    product_q(Ih, Il, Akh, Akl, Q_f)
+                    join(Q_f)
+                    split(Q_f, Qh, Ql)
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
+                    prepare_data(L, ag_s, v_s, agh, agl, vh, vl)
+                    product_w(Ih, Il, Iwh, Iwl, ag_s, agh, agl, W_f)
+                    join(W_f)
+                else:
+                    prepare_data(L, ag_s, v_s, agh, agl, vh, vl)
+                    product_q(Ih, Il, Akh, Akl, Q_f)
+                    if not wgmma:  # Q_f done: split it now so Q_f and W_f are not live together
+                        split(Q_f, Qh, Ql)
+                    product_w(Ih, Il, Iwh, Iwl, ag_s, agh, agl, W_f)  # wgmma: in flight with Q
+                    join(Q_f, W_f)
+                    if wgmma:
+                        split(Q_f, Qh, Ql)
+                T.copy(W_f, Wo_s)
+
+                # ---- u = Q v; w stored meanwhile ----
                 T.clear(U_f)
                 if data_split:
                     gemm3(Qh, Ql, vh, vl, U_f)
                 else:
-                    T.gemm(Ql, v_s, U_f)
-                    T.gemm(Qh, v_s, U_f)
-                store_rows(U_f, u, i_b, i_h, t0, L)
+                    gemm2(Qh, Ql, v_s, U_f)
+                store_rows(Wo_s, w, i_b, i_h, t0, L)
+                join(U_f)
+                T.copy(U_f, Uo_s)
+                store_rows(Uo_s, u, i_b, i_h, t0, L)
 
     return wy_fwd
 
