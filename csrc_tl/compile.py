@@ -219,12 +219,13 @@ def _cache_dir() -> str:
 
 def _marker(factory: Callable[..., Any], key: tuple) -> str:
     """A file in the cache that says "this exact kernel was compiled into it": the sources of
-    the factory's module and of this build layer, the target and the TileLang version are part
-    of its name, so an edited kernel or build setting misses."""
+    the factory's module, of the shared macros and of this build layer, the target and the
+    TileLang version are part of its name, so an edited kernel or build setting misses."""
     import tilelang
 
+    shared_macros = os.path.join(os.path.dirname(__file__), "tile_macros.py")
     sources = b""
-    for path in (sys.modules[factory.__module__].__file__, __file__):
+    for path in (sys.modules[factory.__module__].__file__, shared_macros, __file__):
         with open(path, "rb") as f:
             sources += f.read()
     digest = hashlib.sha256(sources + repr((key, TARGET, tilelang.__version__)).encode())
