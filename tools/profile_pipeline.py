@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_dplr
+from torch_dplr.testing import RWKV7_BOUND
 from benchmarks.cells import Shape
 from benchmarks.inputs import make
 
@@ -47,7 +48,7 @@ def main():
     p.add_argument("--out")
     args = p.parse_args()
     inp = make(Shape(args.B, args.T, args.H, args.D), "rwkv7", "cuda")
-    kw = dict(chunk_size=args.chunk, lower_bound=-0.6065, output_final_state=True,
+    kw = dict(chunk_size=args.chunk, lower_bound=RWKV7_BOUND, output_final_state=True,
               initial_state=inp.h0)
     out = open(args.out, "w") if args.out else None
     fn = torch_dplr.chunk_dplr_delta_rule
@@ -66,6 +67,8 @@ def main():
 
     run(fwd, f"fwd B{args.B} T{args.T} H{args.H} D{args.D} c{args.chunk}", out)
     run(fwd_bwd, f"fwd_bwd B{args.B} T{args.T} H{args.H} D{args.D} c{args.chunk}", out)
+    if out:
+        out.close()
 
 
 if __name__ == "__main__":
