@@ -28,6 +28,7 @@ next to the kernel rather than at each call site.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -217,15 +218,25 @@ def _cache_dir() -> str:
     return str(tilelang.env.TILELANG_CACHE_DIR)
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_sources() -> tuple[str, ...]:
+    """csrc_tl's files that are not a kernel family: any kernel may depend on them."""
+    from . import KERNEL_MODULES
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    return tuple(sorted(os.path.join(here, name) for name in os.listdir(here)
+                        if name.endswith(".py") and name[:-3] not in KERNEL_MODULES))
+
+
 def _marker(factory: Callable[..., Any], key: tuple) -> str:
     """A file in the cache that says "this exact kernel was compiled into it": the sources of
-    the factory's module, of the shared macros and of this build layer, the target and the
-    TileLang version are part of its name, so an edited kernel or build setting misses."""
+    the factory's module and of csrc_tl's shared files (this build layer, the shared macros),
+    the target and the TileLang version are part of its name, so an edited kernel, macro or
+    build setting misses."""
     import tilelang
 
-    shared_macros = os.path.join(os.path.dirname(__file__), "tile_macros.py")
     sources = b""
-    for path in (sys.modules[factory.__module__].__file__, shared_macros, __file__):
+    for path in (sys.modules[factory.__module__].__file__, *_shared_sources()):
         with open(path, "rb") as f:
             sources += f.read()
     digest = hashlib.sha256(sources + repr((key, TARGET, tilelang.__version__)).encode())

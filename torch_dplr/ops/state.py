@@ -18,6 +18,7 @@ from .tilelang_path import MAX_GRID_YZ, kernels_apply
 from .varlen import as_one_sequence_list as flat
 from .varlen import kernel_tables
 
+
 def _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) -> bool:
     # one CTA row per sequence on grid y / z (read from shapes: no host sync)
     num_seqs = v.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
