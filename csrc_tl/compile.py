@@ -230,9 +230,9 @@ def _shared_sources() -> tuple[str, ...]:
 
 def _marker(factory: Callable[..., Any], key: tuple) -> str:
     """A file in the cache that says "this exact kernel was compiled into it": the sources of
-    the factory's module and of csrc_tl's shared files (this build layer, the shared macros),
-    the target and the TileLang version are part of its name, so an edited kernel, macro or
-    build setting misses."""
+    the factory's module and of csrc_tl's shared files (this build layer, its worker, and any
+    module kernels share), the target and the TileLang version are part of its name, so an
+    edited kernel, shared module or build setting misses."""
     import tilelang
 
     sources = b""
