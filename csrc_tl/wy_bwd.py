@@ -131,6 +131,7 @@ import itertools
 import tilelang.language as T
 
 from .compile import canonical_dtype
+from .tile_macros import zero_rows_from
 
 __all__ = ["wy_bwd_kernel", "ref_program", "CHUNK_SIZES", "HEAD_DIMS", "DTYPES", "variants"]
 
@@ -250,7 +251,7 @@ def wy_bwd_kernel(C: int, K: int, V: int, dtype: str, threads: int | None = None
     def issue_rows(src, i_b, i_h, t0, dst):
         # cp.async of the chunk's C rows of src into dst: one commit group, 16-byte copies,
         # rows past T zero-filled. Nothing waits here; rows past the slot's L are masked by
-        # the reader (mask_rows / the converters), after the wait.
+        # the reader (zero_rows / the converters), after the wait.
         T.async_copy(src[i_b, t0 : t0 + C, i_h, :], dst)
 
     @T.macro
@@ -260,13 +261,7 @@ def wy_bwd_kernel(C: int, K: int, V: int, dtype: str, threads: int | None = None
         T.ptx_wait_group(pending)
         T.sync_threads()
 
-    @T.macro
-    def mask_rows(tile, L):
-        # a partial chunk: rows >= L of a staged data tile hold the next sequence's tokens
-        if L < C:
-            for i, j in T.Parallel(*tile.shape):
-                if i >= L:
-                    tile[i, j] = T.Cast(tile.dtype, 0)
+    zero_rows = zero_rows_from(C)
 
     @T.macro
     def convert_inv(InvF, L, Ih, Il, Idh, Idl):
@@ -377,8 +372,8 @@ def wy_bwd_kernel(C: int, K: int, V: int, dtype: str, threads: int | None = None
 
                 # ---- Ak, Inv -> hi/lo pairs (Ak first: its pair may take AkF's place) ----
                 landed(0 if late_du_v else 2)
-                mask_rows(dw_s, L)
-                mask_rows(ag_s, L)
+                zero_rows(L, dw_s)
+                zero_rows(L, ag_s)
                 convert_ak(AkF, L, AkR, Akh, Akl)
                 convert_inv(InvF, L, Ih, Il, Idh, Idl)
                 T.sync_threads()
@@ -405,8 +400,8 @@ def wy_bwd_kernel(C: int, K: int, V: int, dtype: str, threads: int | None = None
                 gemm3(Ih, Il, Akh, Akl, Q_f)
                 join()
                 landed(0)  # du, v; the barrier also ends every warpgroup's reads of Z1, Ak
-                mask_rows(du_s, L)
-                mask_rows(v_s, L)
+                zero_rows(L, du_s)
+                zero_rows(L, v_s)
                 split(Q_f, Qh, Ql)
                 T.sync_threads()
 

@@ -108,6 +108,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .compile import canonical_dtype
+from .tile_macros import zero_rows_from
 
 __all__ = ["wy_fwd_kernel", "ref_program", "CHUNK_SIZES", "HEAD_DIMS", "DTYPES", "variants"]
 
@@ -226,13 +227,7 @@ def wy_fwd_kernel(
         # cp.async of the chunk's C rows (one commit group); rows past T arrive as zeros
         T.async_copy(src[i_b, t0 : t0 + C, i_h, :], dst)
 
-    @T.macro
-    def zero_rows_past(L, buf):
-        # rows L.. hold another sequence's tokens: zero them in place (last chunk only)
-        if L < C:
-            for i, j in T.Parallel(*buf.shape):
-                if i >= L:
-                    buf[i, j] = T.Cast(buf.dtype, 0)
+    zero_rows = zero_rows_from(C)
 
     @T.macro
     def store_rows(src, dst, i_b, i_h, t0, L):
@@ -280,8 +275,8 @@ def wy_fwd_kernel(
             split_of(masked(ag_s, lambda i, j: i < L), agh, agl)
             split_of(masked(v_s, lambda i, j: i < L), vh, vl)
         else:
-            zero_rows_past(L, ag_s)
-            zero_rows_past(L, v_s)
+            zero_rows(L, ag_s)
+            zero_rows(L, v_s)
 
     def d_entry(Dd_s):
         # D[i, j] from its compact form (zero off the diagonal blocks)
