@@ -5,7 +5,8 @@ folder (cold: every kernel compiles) and again on the folder the first run fille
 load from disk).  In order it times, each synchronized on the host clock:
 
 - ``fwd_bwd_s``: the first forward+backward (RWKV-7 gates, initial and final state), so every
-  kernel a training step needs is built or loaded inside it;
+  kernel a training step needs is built or loaded inside it; ``kernels_s``: the part of it
+  spent compiling or loading kernels (TileLang import included);
 - ``fwd_s``: then a no-grad forward (which may use kernels of its own, e.g. a fused forward);
 - ``new_layout_s``: then forward+backward at a new B and T and at a new varlen layout, which
   must compile nothing (a few ms when it holds, seconds when something recompiles).
@@ -61,8 +62,11 @@ def new_layouts(shape: Shape) -> tuple[Shape, Shape]:
 def measure(shape: Shape, chunk_size: int, gates: str, device) -> dict:
     device = torch.device(device)
     fwd_bwd, fwd = _steps(shape, chunk_size, gates, device)
+    from torch_dplr.ops import kernels
+
     result = {"import_s": round(time.perf_counter() - T0, 3),
               "fwd_bwd_s": round(_timed(fwd_bwd, device), 3),
+              "kernels_s": round(kernels.seconds_getting_kernels(), 3),
               "fwd_s": round(_timed(fwd, device), 3)}
     new = 0.0
     for other in new_layouts(shape):

@@ -313,7 +313,8 @@ def measure_first_call(shape, device, timeout, meta) -> dict:
                 break
             record.update({f"{phase}_s": result["fwd_bwd_s"], f"{phase}_fwd_s": result["fwd_s"],
                            f"{phase}_new_layout_s": result["new_layout_s"],
-                           f"{phase}_import_s": result["import_s"]})
+                           f"{phase}_import_s": result["import_s"],
+                           f"{phase}_kernels_s": result.get("kernels_s")})
     return record
 
 

@@ -7,6 +7,7 @@
 #   SELFCHECK=<s>       python -m torch_dplr --json
 #   BENCH="<args>"      python -m torch_dplr bench <args> (results under $OUT/bench)
 #   PROFILE="<args>"    tools/profile_pipeline.py <args>: per-kernel device time ($OUT/profile.*)
+#   EXTRA="<cmd>"       any further command (EXTRA_TIMEOUT s, default 300), logged as extra.log
 #   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time
 set -u
 t0=$(date +%s)
@@ -48,6 +49,10 @@ if [ -n "${PROFILE+x}" ]; then
   # shellcheck disable=SC2086
   step profile 300 python3 tools/profile_pipeline.py --out "$OUT/profile.jsonl" $PROFILE
   grep -A12 "^==" "$OUT/profile.log"
+fi
+if [ -n "${EXTRA:-}" ]; then  # any further command, e.g. tools/tune_knobs.py
+  step extra "${EXTRA_TIMEOUT:-300}" bash -c "$EXTRA"
+  tail -40 "$OUT/extra.log"
 fi
 if [ -n "${SAVE_CACHE:-}" ]; then
   tar -C /tmp/tlc -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"; ls -la "$OUT/tlcache.tar.xz"

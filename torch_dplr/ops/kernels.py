@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -24,6 +25,7 @@ _ready: set[tuple] = set()  # pipelines already compiled (or tried: failures are
 _kernels: dict[tuple, object] = {}  # (op, configuration) -> kernel or None: per-call fast path
 _MISSING = object()
 _lock = threading.Lock()
+_seconds_getting_kernels = [0.0]  # host time kernel_for spent compiling / loading kernels
 
 
 def _csrc_tl():
@@ -92,6 +94,7 @@ def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
     key = (chunk_size, K, V, dtype, gate_dtype, lower_bound)
     kernel = _kernels.get((op, key), _MISSING)
     if kernel is _MISSING:
+        start = time.perf_counter()
         try:
             csrc_tl = _csrc_tl()
             factory, config = pipeline(*key)[op]
@@ -108,4 +111,11 @@ def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
                           stacklevel=2)
             kernel = None
         _kernels[(op, key)] = kernel
+        _seconds_getting_kernels[0] += time.perf_counter() - start
     return kernel
+
+
+def seconds_getting_kernels() -> float:
+    """Host seconds this process spent in :func:`kernel_for` compiling or loading kernels
+    (TileLang import included): the kernel part of a first call (benchmarks.first_call)."""
+    return _seconds_getting_kernels[0]
