@@ -13,7 +13,7 @@ from ..reference import intra as ref
 from .chunked import ChunkedView, without_autocast
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
-from .tilelang_path import MAX_GRID_YZ, kernels_apply
+from .tilelang_path import kernels_apply
 from .varlen import as_one_sequence_list as flat
 from .varlen import kernel_tables
 
@@ -93,11 +93,8 @@ def _(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag
       chunk_size, lower_bound):
     grads = (dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg)
     B, T, _, K = q.shape
-    # the backward kernel puts chunk slots on grid y (~1M tokens at chunk 16)
-    applies = (_intra_kernel_applies(q, gk, chunk_size)
-               and dgl.shape[0] * dgl.shape[1] <= MAX_GRID_YZ)
     kernel = (kernel_for("intra_bwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
-              if applies else None)
+              if _intra_kernel_applies(q, gk, chunk_size) else None)
     if kernel is None:
         return chunk_intra_bwd_reference(q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size,
                                          lower_bound)
