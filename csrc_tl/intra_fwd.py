@@ -52,20 +52,38 @@ GEMM operands are fp32 in shared memory, rounded to tf32 (round-to-nearest) when
 multiplied with tf32 tensor-core MMAs: 2^-11 relative per operand for both bf16 and fp16
 inputs, and no fp16 range issue for the centred operands (DESIGN.md section 6).
 
-Loads: each K block starts with one burst of vectorized copies of its five input tiles into
-shared memory (centred: the raw q/k/a/b tiles in the data dtype; tiled: straight into the fp32
-tiles the scheme keeps anyway), so the loads are independent and in flight together. An earlier
-version read the inputs inside the element-wise passes: scalar loads behind branches and
-stores, one memory latency per unrolled iteration, 10% of HBM bandwidth on the H200. Rows past
-L are not masked at load (see the comment at the loads); the gated outputs get a pass of their
-own so that their stores are row-major.
+Loads: each K block starts with one burst of copies of its five input tiles into shared
+memory, all issued before anything waits: the raw q/a/k/b tiles as cp.async 16-byte copies
+(rows past T zero-filled), the gates straight into the gate tile (centred fp32 gates:
+cp.async; otherwise vector loads converting on the way), then one wait. The tiled scheme
+widens the raw tiles into its padded fp32 tiles in a pass of its own (padded rows are not
+16-byte aligned; it used to load into them directly, which held 80 loaded values per thread in
+registers at once and spilled). An earlier version read the inputs inside the element-wise
+passes: scalar loads behind branches and stores, one memory latency per unrolled iteration,
+10% of HBM bandwidth on the H200. Rows past L are not masked at load (see ``load_tiles``). The
+gates are scanned by one thread per (column, row segment), rows in batches held in registers
+so that their loads overlap.
 
-Shared memory (TileLang overlaps buffers by liveness): centred, BK = 64, C = 64: gates 16 KB,
-raw tiles 32 KB, four fp32 operands 64 KB = 112 KB; tiled, BK = 32, C = 64: seven padded
-fp32 C x (BK + 1) tiles plus four C x BK operands, 92 KB. Both fit 2 CTAs per SM, which is
-also the register limit (~205 / 255 per thread at 128 threads; the tiled C = 64 variant spills
-~24 bytes). No TMA (with symbolic shapes its descriptors would be encoded on the host every
-launch) and no async copies.
+Stores (centred): every global store is a row-major vector. The C x C matrices are masked to
+their triangle while they are staged in shared memory (dead operand space; rows padded by
+_APAD elements against bank conflicts) and leave as 16-byte rows. With one K block (K = BK,
+e.g. the design shape) the gated outputs are computed in the operand pass, wait in registers,
+replace the raw tiles and leave as 16-byte rows too; with more K blocks the four accumulators
+live across blocks and those registers would spill, so the gated outputs are stored from a
+pass of their own (8-byte vectors). The centred gate tile has a leading zero row, so that ge
+needs no select on the row (which stops the vectorization). The previous version stored the
+C x C fragments element by element (2- and 4-byte stores spread over 8 rows: ~3x the L2 write
+requests of whole rows) and the gated outputs as scalars; at the design shape it reached 31%
+of HBM bandwidth. The tiled scheme still stores that way.
+
+Shared memory (TileLang overlaps buffers by liveness) and occupancy at 128 threads, default
+block_k (ptxas, sm_90a; no variant spills): centred C = 64, K = 64: gates 16.25 KB, raw tiles
+32 KB, four fp32 operands 64 KB = 112.25 KB (the output staging reuses them), ~245 registers,
+2 CTAs per SM (both limits); centred C = 32: ~57 KB, ~125-150 registers, 3 CTAs per SM;
+centred C = 16 (64 threads): 14.4 KB, ~85-110 registers, 9-11 CTAs per SM; tiled C = 64
+(BK = 32): seven padded fp32 C x (BK + 1) tiles, four C x BK operands and the raw tiles,
+~106 KB, ~230 registers, 2 CTAs per SM. No TMA (with symbolic shapes its descriptors would be
+encoded on the host every launch).
 
 Signature (call ``kernel(*inputs, *outputs)``, nothing returned)::
 
@@ -111,6 +129,7 @@ CENTRED_MAX_EXPONENT = 100.0
 _SUB = 16  # sub-block size of the tiled scheme (one mma tile)
 _HALF = _SUB // 2
 _ACC = "float32"
+_APAD = 8  # row padding (elements) of the staged C x C outputs: 16-byte rows, fewer bank conflicts
 
 
 def centred_is_safe(chunk_size: int, lower_bound: float | None) -> bool:
@@ -210,15 +229,108 @@ def intra_fwd_kernel(
 
     B, Tn, H, NS = T.dynamic("B, T, H, NS")
 
+    o = 1 if centred else 0  # centred: G has a leading zero row, row r + 1 holds gi of row r
+    SB = min(SL, _SUB)  # scan rows loaded into registers at once
+    # centred, one K block: the gated outputs are staged in shared memory for 16-byte stores
+    # (with more K blocks the four accumulators live across blocks and the staging registers
+    # would spill)
+    stage_gated = centred and n_kb == 1
+
+    def gi_at(G, r, c):
+        return G[r + o, c]
+
+    def ge_at(G, r, c):
+        """ge of row r (gi of row r - 1, 0 at row 0): centred reads the zero row, no select
+        (a select on r stops the vectorization of the gated-output stores)."""
+        if centred:
+            return G[r, c]
+        return T.if_then_else(r > 0, G[r - 1, c], T.float32(0))
+
+    @T.macro
+    def load_tiles(q, k, a, b, gk, i_b, i_h, t0, k0, G, q_t, a_t, k_t, b_t):
+        """Every input tile of a K block in one burst, then one wait: the raw q/a/k/b tiles
+        as cp.async 16-byte copies (rows past T zero-filled; tiled: widened to the padded fp32
+        tiles afterwards by ``widen_tiles``), the gates straight into G (centred fp32 gates:
+        cp.async; otherwise vector loads converting on the way: the tiled G has padded rows,
+        not 16-byte aligned, and a separate raw gate tile would cost the tiled C = 64 variant
+        its second CTA per SM).
+
+        Rows past L hold another sequence's tokens (or lie past T and read as 0). They are
+        not masked: the scan zeroes their gates, the gated outputs are not stored there, and
+        in the products a row past L only reaches row or column r >= L of a matrix, which is
+        either not stored or above the diagonal of a stored row (discarded by a select, so
+        even a non-finite value cannot leak)."""
+        T.async_copy(q[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], q_t)
+        T.async_copy(a[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], a_t)
+        T.async_copy(k[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], k_t)
+        T.async_copy(b[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], b_t)
+        if centred and gate_dtype == f32:
+            T.async_copy(gk[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], G[1 : C + 1, :])
+        else:
+            T.copy(gk[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], G[o : C + o, 0:BK])
+        T.ptx_wait_group(0)
+        T.sync_threads()
+
+    @T.macro
+    def widen_tiles(q_t, a_t, k_t, b_t, qS, aS, kS, bS):
+        """Tiled: the raw input tiles to the padded fp32 tiles the scheme works on (separate
+        buffers: an in-place pass would get a barrier per iteration)."""
+        for r, c in T.Parallel(C, BK):
+            qS[r, c] = T.Cast(f32, q_t[r, c])
+            aS[r, c] = T.Cast(f32, a_t[r, c])
+            kS[r, c] = T.Cast(f32, k_t[r, c])
+            bS[r, c] = T.Cast(f32, b_t[r, c])
+
+    @T.macro
+    def gate_scan(L, tx, G, Tot, run, vals):
+        """gates in log2 units (0 past L), scanned down the rows in place. One thread per
+        (column, row segment): thread-indexed, so no barrier per row; rows go in batches of
+        SB loaded into registers before any store, so their loads are in flight together."""
+        col = tx % BK
+        seg = tx // BK
+        run[0] = T.float32(0)
+        for r0 in T.unroll(0, SL, SB):
+            for m in T.unroll(SB):
+                row = seg * SL + r0 + m
+                vals[m] = T.if_then_else(row < L, G[row + o, col] * LOG2E, T.float32(0))
+            for m in T.unroll(SB):
+                run[0] = run[0] + vals[m]
+                G[seg * SL + r0 + m + o, col] = run[0]
+        if centred:
+            if seg == 0:
+                G[0, col] = T.float32(0)
+        if NSEG > 1:
+            Tot[seg, col] = run[0]
+            T.sync_threads()
+            run[0] = T.float32(0)
+            for p in T.unroll(NSEG - 1):
+                if p < seg:
+                    run[0] = run[0] + Tot[p, col]
+            for r0 in T.unroll(0, SL, SB):
+                for m in T.unroll(SB):
+                    vals[m] = G[seg * SL + r0 + m + o, col]
+                for m in T.unroll(SB):
+                    G[seg * SL + r0 + m + o, col] = vals[m] + run[0]
+        T.sync_threads()
+
+    @T.macro
+    def store_rows(src, dst, i_b, i_h, t0, L, c0, W):
+        """Columns 0..W-1 of a staged tile to dst's columns c0..c0+W-1, rows < L only:
+        row-major 16-byte vector stores."""
+        for r, c in T.Parallel(C, W):
+            if r < L:
+                dst[i_b, t0 + r, i_h, c0 + c] = src[r, c]
+
     @T.macro
     def body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L):
         tx = T.get_thread_binding()
-        # gates -> gi (log2). Tiled: padded rows, the diagonal work reads it down columns.
-        # Centred: unpadded, so that the element-wise passes vectorize their global accesses.
-        G = T.alloc_shared((C, BK + (0 if centred else 1)), f32)
-        if NSEG > 1:
-            Tot = T.alloc_shared((NSEG, BK), f32)
+        # gates -> gi (log2). Tiled: padded columns, the diagonal work reads it down columns.
+        # Centred: unpadded columns, so that the element-wise passes vectorize their global
+        # accesses, and a leading zero row (ge without a select).
+        G = T.alloc_shared((C + o, BK + (0 if centred else 1)), f32)
+        Tot = T.alloc_shared((NSEG, BK), f32) if NSEG > 1 else None
         run = T.alloc_local((1,), f32)
+        vals = T.alloc_local((SB,), f32)
         if centred:
             Qc = T.alloc_shared((C, BK), f32)
             Ac = T.alloc_shared((C, BK), f32)
@@ -238,6 +350,11 @@ def intra_fwd_kernel(
             a_t = T.alloc_shared((C, BK), dtype)
             k_t = T.alloc_shared((C, BK), dtype)
             b_t = T.alloc_shared((C, BK), dtype)
+            if stage_gated:  # gated outputs on their way from the operand pass to the raw tiles
+                Rq = T.alloc_fragment((C, BK), dtype)
+                Ra = T.alloc_fragment((C, BK), dtype)
+                Rk = T.alloc_fragment((C, BK), dtype)
+                Rb = T.alloc_fragment((C, BK), dtype)
         else:
             # off-diagonal operands of the current column block J (built one J at a time):
             # X / Y q- / a-side rows of sub-blocks > J; Kr / Br k- / b-side factored to the
@@ -251,15 +368,20 @@ def intra_fwd_kernel(
             for J in OFF_BLOCKS:
                 for m in MATS:
                     T.clear(F[J][m])
-            # raw q, a, k, b and the k / b of first halves factored to the half's end (kF, bF);
-            # padded rows: the diagonal work reads them down columns without bank conflicts
+            # q, a, k, b widened to fp32 and the k / b of first halves factored to the half's
+            # end (kF, bF); padded rows: the diagonal work reads them down columns without bank
+            # conflicts
             qS = T.alloc_shared((C, BK + 1), f32)
             aS = T.alloc_shared((C, BK + 1), f32)
             kS = T.alloc_shared((C, BK + 1), f32)
             bS = T.alloc_shared((C, BK + 1), f32)
             kF = T.alloc_shared((C, BK + 1), f32)
             bF = T.alloc_shared((C, BK + 1), f32)
-            q_t, a_t, k_t, b_t = qS, aS, kS, bS  # the raw inputs are loaded straight into these
+            # the raw input tiles as loaded (widened to qS..bS before anything else)
+            q_t = T.alloc_shared((C, BK), dtype)
+            a_t = T.alloc_shared((C, BK), dtype)
+            k_t = T.alloc_shared((C, BK), dtype)
+            b_t = T.alloc_shared((C, BK), dtype)
             accE = T.alloc_local((4 * _HALF,), f32)  # own half, exact exponents
             accF = T.alloc_local((4 * _HALF,), f32)  # first half seen from the second
             w = T.alloc_local((2,), f32)
@@ -269,75 +391,84 @@ def intra_fwd_kernel(
 
         for kb in T.serial(n_kb):
             k0 = kb * BK
-            # Every input tile of this K block in one burst of independent vector loads, so that
-            # no load waits behind another. Rows past L hold another sequence's tokens (or lie
-            # past T and read as 0). They are not masked: the scan zeroes their gates, the gated
-            # outputs are not stored there, and in the products a row past L only reaches row
-            # or column r >= L of a matrix, which is either not stored or above the diagonal of
-            # a stored row (discarded by a select, so even a non-finite value cannot leak).
-            T.copy(gk[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], G[:, 0:BK])
-            T.copy(q[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], q_t[:, 0:BK])
-            T.copy(a[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], a_t[:, 0:BK])
-            T.copy(k[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], k_t[:, 0:BK])
-            T.copy(b[i_b, t0 : t0 + C, i_h, k0 : k0 + BK], b_t[:, 0:BK])
-            T.sync_threads()
-            # ---- gates in log2 units (0 past L), scanned down the rows. One thread per
-            # (column, row segment), in place: thread-indexed, so no barrier per row ----
-            col = tx % BK
-            seg = tx // BK
-            run[0] = T.float32(0)
-            for r in T.unroll(SL):
-                row = seg * SL + r
-                run[0] = run[0] + T.if_then_else(row < L, G[row, col] * LOG2E, T.float32(0))
-                G[row, col] = run[0]
-            if NSEG > 1:
-                Tot[seg, col] = run[0]
-                T.sync_threads()
-                run[0] = T.float32(0)
-                for p in T.unroll(NSEG - 1):
-                    if p < seg:
-                        run[0] = run[0] + Tot[p, col]
-                for r in T.unroll(SL):
-                    G[seg * SL + r, col] = G[seg * SL + r, col] + run[0]
-            T.sync_threads()
+            load_tiles(q, k, a, b, gk, i_b, i_h, t0, k0, G, q_t, a_t, k_t, b_t)
+            if not centred:
+                widen_tiles(q_t, a_t, k_t, b_t, qS, aS, kS, bS)
+            gate_scan(L, tx, G, Tot, run, vals)
 
             for c in T.Parallel(BK):
-                gl[i_b, i_c, i_h, k0 + c] = G[C - 1, c]
+                gl[i_b, i_c, i_h, k0 + c] = G[C - 1 + o, c]
 
-            # ---- gated outputs: qg = scale q 2^gi, ag = a 2^ge, kg / bg = k / b 2^(gl - gi) ----
-            # (a pass of its own, so that its global stores take a row-major, vectorized layout)
-            for r, c in T.Parallel(C, BK):
-                if r < L:
-                    gi = G[r, c]
-                    ge = T.if_then_else(r > 0, G[r - 1, c], T.float32(0))
-                    to_end = T.exp2(G[C - 1, c] - gi)
-                    qg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, q_t[r, c]) * scale * T.exp2(gi))
-                    ag[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, a_t[r, c]) * T.exp2(ge))
-                    kg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, k_t[r, c]) * to_end)
-                    bg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, b_t[r, c]) * to_end)
-            # ---- GEMM operands ----
-            if centred:
+            if stage_gated:
+                # ---- GEMM operands and gated outputs (qg = scale q 2^gi, ag = a 2^ge, kg / bg
+                # = k / b 2^(gl - gi)) in one pass over the raw tiles. The gated values wait in
+                # registers, replace the raw tiles once every thread is past them, and leave
+                # from there as row-major 16-byte vector stores ----
                 for r, c in T.Parallel(C, BK):
-                    Qc[r, c] = _tf32(T.Cast(f32, q_t[r, c]) * T.exp2(G[r, c] - G[mid, c]))
+                    gi = gi_at(G, r, c)
+                    ge = ge_at(G, r, c)
+                    gm = G[mid + o, c]
+                    to_end = T.exp2(G[C - 1 + o, c] - gi)
+                    qv = T.Cast(f32, q_t[r, c])
+                    av = T.Cast(f32, a_t[r, c])
+                    kv = T.Cast(f32, k_t[r, c])
+                    bv = T.Cast(f32, b_t[r, c])
+                    Rq[r, c] = T.Cast(dtype, qv * scale * T.exp2(gi))
+                    Ra[r, c] = T.Cast(dtype, av * T.exp2(ge))
+                    Rk[r, c] = T.Cast(dtype, kv * to_end)
+                    Rb[r, c] = T.Cast(dtype, bv * to_end)
+                    Qc[r, c] = _tf32(qv * T.exp2(gi - gm))
+                    Ac[r, c] = _tf32(av * T.exp2(ge - gm))
+                    f = T.exp2(gm - gi)
+                    Kc[r, c] = _tf32(kv * f)
+                    Bc[r, c] = _tf32(bv * f)
+                T.sync_threads()
                 for r, c in T.Parallel(C, BK):
-                    ge = T.if_then_else(r > 0, G[r - 1, c], T.float32(0))
-                    Ac[r, c] = _tf32(T.Cast(f32, a_t[r, c]) * T.exp2(ge - G[mid, c]))
-                for r, c in T.Parallel(C, BK):
-                    f = T.exp2(G[mid, c] - G[r, c])
-                    Kc[r, c] = _tf32(T.Cast(f32, k_t[r, c]) * f)
-                    Bc[r, c] = _tf32(T.Cast(f32, b_t[r, c]) * f)
+                    q_t[r, c] = Rq[r, c]
+                    a_t[r, c] = Ra[r, c]
+                    k_t[r, c] = Rk[r, c]
+                    b_t[r, c] = Rb[r, c]
+                T.sync_threads()
+                store_rows(q_t, qg, i_b, i_h, t0, L, k0, BK)
+                store_rows(a_t, ag, i_b, i_h, t0, L, k0, BK)
+                store_rows(k_t, kg, i_b, i_h, t0, L, k0, BK)
+                store_rows(b_t, bg, i_b, i_h, t0, L, k0, BK)
             else:
+                # ---- gated outputs, stored straight from the pass (centred: vectorized, as
+                # no select depends on the column; tiled: scalar, from the widened tiles, so
+                # that the raw ones are dead by now) ----
+                if not centred:
+                    q_t, a_t, k_t, b_t = qS, aS, kS, bS
                 for r, c in T.Parallel(C, BK):
-                    gi = G[r, c]
-                    if nb > 1:
-                        f = T.exp2(G[(r // _SUB) * _SUB + _SUB - 1, c] - gi)
-                        Kr[r, c] = _tf32(kS[r, c] * f)
-                        Br[r, c] = _tf32(bS[r, c] * f)
-                    if r % _SUB < _HALF:
-                        f = T.exp2(G[(r // _SUB) * _SUB + _HALF - 1, c] - gi)
-                        kF[r, c] = kS[r, c] * f
-                        bF[r, c] = bS[r, c] * f
-            T.sync_threads()
+                    if r < L:
+                        gi = gi_at(G, r, c)
+                        to_end = T.exp2(G[C - 1 + o, c] - gi)
+                        qg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, q_t[r, c]) * scale * T.exp2(gi))
+                        ag[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, a_t[r, c]) * T.exp2(ge_at(G, r, c)))
+                        kg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, k_t[r, c]) * to_end)
+                        bg[i_b, t0 + r, i_h, k0 + c] = T.Cast(dtype, T.Cast(f32, b_t[r, c]) * to_end)
+                # ---- GEMM operands ----
+                if centred:
+                    for r, c in T.Parallel(C, BK):
+                        gi = gi_at(G, r, c)
+                        gm = G[mid + o, c]
+                        Qc[r, c] = _tf32(T.Cast(f32, q_t[r, c]) * T.exp2(gi - gm))
+                        Ac[r, c] = _tf32(T.Cast(f32, a_t[r, c]) * T.exp2(ge_at(G, r, c) - gm))
+                        f = T.exp2(gm - gi)
+                        Kc[r, c] = _tf32(T.Cast(f32, k_t[r, c]) * f)
+                        Bc[r, c] = _tf32(T.Cast(f32, b_t[r, c]) * f)
+                else:
+                    for r, c in T.Parallel(C, BK):
+                        gi = G[r, c]
+                        if nb > 1:
+                            f = T.exp2(G[(r // _SUB) * _SUB + _SUB - 1, c] - gi)
+                            Kr[r, c] = _tf32(kS[r, c] * f)
+                            Br[r, c] = _tf32(bS[r, c] * f)
+                        if r % _SUB < _HALF:
+                            f = T.exp2(G[(r // _SUB) * _SUB + _HALF - 1, c] - gi)
+                            kF[r, c] = kS[r, c] * f
+                            bF[r, c] = bS[r, c] * f
+                T.sync_threads()
 
             # ---- tensor-core products ----
             if centred:
@@ -402,16 +533,26 @@ def intra_fwd_kernel(
                             accF[3 * _HALF + jj] = accF[3 * _HALF + jj] + w[1] * bf
             T.sync_threads()
 
-        # ---- masked writes ----
+        # ---- masked writes: staged in shared memory (the operand tiles are dead by now), so
+        # that the global stores are row-major 16-byte vectors, not scattered fragment
+        # elements ----
         if centred:
+            # padded rows spread the fragment-layout writes over the banks and keep the rows
+            # 16-byte aligned
+            S_qk = T.alloc_shared((C, C + _APAD), dtype)
+            S_qb = T.alloc_shared((C, C + _APAD), dtype)
+            S_ak = T.alloc_shared((C, C + _APAD), f32)
+            S_ab = T.alloc_shared((C, C + _APAD), f32)
             for r, c in T.Parallel(C, C):
-                if r < L:
-                    A_qk[i_b, t0 + r, i_h, c] = T.Cast(dtype, T.if_then_else(c <= r, F_qk[r, c] * scale, T.float32(0)))
-                    A_qb[i_b, t0 + r, i_h, c] = T.Cast(dtype, T.if_then_else(c <= r, F_qb[r, c] * scale, T.float32(0)))
-            for r, c in T.Parallel(C, C):
-                if r < L:
-                    A_ak[i_b, t0 + r, i_h, c] = T.if_then_else(c < r, F_ak[r, c], T.float32(0))
-                    A_ab[i_b, t0 + r, i_h, c] = T.if_then_else(c < r, F_ab[r, c], T.float32(0))
+                S_qk[r, c] = T.Cast(dtype, T.if_then_else(c <= r, F_qk[r, c] * scale, T.float32(0)))
+                S_qb[r, c] = T.Cast(dtype, T.if_then_else(c <= r, F_qb[r, c] * scale, T.float32(0)))
+                S_ak[r, c] = T.if_then_else(c < r, F_ak[r, c], T.float32(0))
+                S_ab[r, c] = T.if_then_else(c < r, F_ab[r, c], T.float32(0))
+            T.sync_threads()
+            store_rows(S_qk, A_qk, i_b, i_h, t0, L, 0, C)
+            store_rows(S_qb, A_qb, i_b, i_h, t0, L, 0, C)
+            store_rows(S_ak, A_ak, i_b, i_h, t0, L, 0, C)
+            store_rows(S_ab, A_ab, i_b, i_h, t0, L, 0, C)
         else:
             # off-diagonal column blocks (and the zeros above the diagonal blocks)
             outs = (A_qk, A_qb, A_ak, A_ab)
