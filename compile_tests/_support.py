@@ -46,6 +46,7 @@ CHUNK_FWD = frozenset({dplr.chunk_intra_fwd.default, dplr.chunk_wy_fwd.default,
                        dplr.chunk_state_fwd.default})
 CHUNK_BWD = frozenset({dplr.chunk_intra_bwd.default, dplr.chunk_wy_bwd.default,
                        dplr.chunk_state_bwd.default})
+CHUNK_NO_GRAD = frozenset({dplr.chunk_fwd_fused.default})  # a no-grad chunked call: one op
 RECURRENT_FWD = frozenset({dplr.recurrent_fwd.default})
 RECURRENT_BWD = frozenset({dplr.recurrent_bwd.default})
 FORWARD_OPS = policies.FORWARD_OPS

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, INDUCTOR_DTYPES, INDUCTOR_TOL,
-                       assert_all_close, block_input, chunk_fn, dplr, dtype_id, find_nodes,
-                       make_block, make_inputs, runs_tilelang_kernels)
+from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, CHUNK_NO_GRAD, INDUCTOR_DTYPES,
+                       INDUCTOR_TOL, assert_all_close, block_input, chunk_fn, dplr, dtype_id,
+                       find_nodes, make_block, make_inputs, runs_tilelang_kernels)
 
 GRAD_FREE = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
@@ -13,8 +13,9 @@ GRAD_FREE = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 @pytest.mark.parametrize("varlen", [False, True], ids=["rect", "varlen"])
 def test_chunk_dplr_grad_free_forward(recorder, mode, varlen):
     """Inputs that require grad, called under no_grad / inference_mode: one inference graph,
-    no backward, results equal eager, and the state pass keeps no activations (the per-chunk
-    states it would save for a backward are size 0)."""
+    no backward, results equal eager, and the whole forward is exactly one
+    ``dplr::chunk_fwd_fused`` node (nothing kept for a backward), with eager's output dtypes
+    and shapes."""
     cu = [0, 21, 50] if varlen else None
     x = make_inputs(B=1 if varlen else 2, T=50, cu_seqlens=cu, initial_state=True)
     args = [x[n] for n in ARG_NAMES]
@@ -25,12 +26,26 @@ def test_chunk_dplr_grad_free_forward(recorder, mode, varlen):
         out_e = chunk_fn(*args, **kwargs)
     assert recorder.frames == 1
     assert not recorder.forward and not recorder.backward and len(recorder.inference) == 1
-    assert recorder.counts("inference") == {op: 1 for op in CHUNK_FWD}
+    assert recorder.counts("inference") == {op: 1 for op in CHUNK_NO_GRAD}
     assert not out_c[0].requires_grad
     assert_all_close(out_c, out_e)
-    (state_pass,) = find_nodes(recorder.inference, dplr.chunk_state_fwd.default)
-    _, _, h, v_new = state_pass.meta["val"]
-    assert h.numel() == 0 and v_new.numel() == 0
+    (fused,) = find_nodes(recorder.inference, dplr.chunk_fwd_fused.default)
+    o, ht = fused.meta["val"]
+    assert (o.shape, o.dtype) == (out_e[0].shape, out_e[0].dtype)
+    assert (ht.shape, ht.dtype) == (out_e[1].shape, out_e[1].dtype)
+
+
+def test_inputs_without_grad_take_the_fused_op(recorder):
+    """Grad mode on but no input requiring grad: also one ``dplr::chunk_fwd_fused`` node,
+    fullgraph, equal to eager."""
+    x = make_inputs(B=2, T=50, initial_state=True)
+    args = [x[n].detach() for n in ARG_NAMES]
+    kwargs = dict(initial_state=x["initial_state"].detach())
+    compiled = torch.compile(chunk_fn, backend=recorder, fullgraph=True)
+    out_c, out_e = compiled(*args, **kwargs), chunk_fn(*args, **kwargs)
+    assert recorder.frames == 1 and not recorder.backward
+    assert recorder.counts("dynamo") == {op: 1 for op in CHUNK_NO_GRAD}
+    assert_all_close(out_c, out_e)
 
 
 def test_rwkv7_block_eval_then_train(recorder):
@@ -46,7 +61,7 @@ def test_rwkv7_block_eval_then_train(recorder):
     assert y_train.requires_grad
     torch.testing.assert_close(y_train.detach(), y_ref, rtol=1e-5, atol=1e-6)
     assert recorder.frames == 2
-    assert recorder.counts("inference") == {op: 1 for op in CHUNK_FWD}
+    assert recorder.counts("inference") == {op: 1 for op in CHUNK_NO_GRAD}
     assert recorder.counts("forward") == {op: 1 for op in CHUNK_FWD}
     y_train.sum().backward()
     assert set(recorder.counts("backward")) == BACKWARD_OPS - {dplr.recurrent_bwd.default}

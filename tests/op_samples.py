@@ -1,4 +1,5 @@
-"""Sample argument tuples for every dplr op: rect and varlen, odd T, with and without grad."""
+"""Sample argument tuples for every dplr op: rect and varlen, odd T, with and without grad
+(the no-grad op ``chunk_fwd_fused`` without)."""
 from __future__ import annotations
 
 import torch
@@ -40,6 +41,10 @@ def forward_samples(device="cpu"):
         # Absent initial state and no kept activations (the no-grad forward's call).
         yield "chunk_state_fwd", (qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0.new_empty(0), cu_t, C,
                                   False, False)
+        # The fused no-grad forward: never with requires_grad (its backward raises).
+        yield "chunk_fwd_fused", (q, k, v, a, b, gk, h0, cu_t, 0.3, C, -0.6065, True)
+        yield "chunk_fwd_fused", (q, k, v, a, b, gk, h0.new_empty(0), cu_t, 0.3, C, NO_BOUND,
+                                  False)
 
 
 def backward_samples(device="cpu"):

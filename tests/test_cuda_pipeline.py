@@ -5,6 +5,8 @@
   backward runs no PyTorch stage: the stage fallbacks are replaced by functions that fail.
 - The result matches the fp64 per-token recurrence (every output and gradient) at real sizes,
   with small and large B·H, for every gate style and chunk size.
+- A no-grad call (``dplr::chunk_fwd_fused``) runs the fused kernel where it applies and
+  matches the training call's forward; with few (sequence, head) pairs it stays staged.
 - opcheck at kernel shapes (the samples in op_samples.py are too small to reach the kernels).
 - torch.compile on kernel shapes: fullgraph forward+backward equal to eager, a new length or
   varlen layout compiles nothing, checkpoint policies give eager's gradients, CUDA graphs.
@@ -54,10 +56,80 @@ def test_no_pytorch_stage_runs(C, K, dtype, gate_dtype, layout):
     with forbid_pytorch_stages():
         o, ht, grads = _call(inp, C, RWKV7_BOUND if bounded else None, cu,
                              state=layout == "rect_state")
+        # the no-grad call (dplr::chunk_fwd_fused; 8 (sequence, head) pairs: the staged ops)
+        o_ng, _ = _call_no_grad(inp, C, RWKV7_BOUND if bounded else None, cu,
+                                state=layout == "rect_state")
     torch.cuda.synchronize()
-    assert torch.isfinite(o).all()
+    assert torch.isfinite(o).all() and torch.isfinite(o_ng).all()
     for name, g in grads.items():
         assert g is not None and torch.isfinite(g).all(), name
+
+
+def _call_no_grad(inp, chunk_size, lower_bound, cu=None, state=True):
+    with torch.no_grad():
+        return torch_dplr.chunk_dplr_delta_rule(
+            *(inp[n] for n in ("q", "k", "v", "a", "b", "gk")),
+            initial_state=inp["initial_state"] if state else None, output_final_state=state,
+            cu_seqlens=cu, chunk_size=chunk_size, lower_bound=lower_bound)
+
+
+# ---- the fused no-grad forward (dplr::chunk_fwd_fused) ---------------------------------------
+
+def _fills_the_gpu(B, H):
+    return B * H >= torch.cuda.get_device_properties(0).multi_processor_count
+
+
+@pytest.mark.parametrize("dtype,gate_dtype", [(torch.bfloat16, torch.float32),
+                                              (torch.float16, torch.float16)],
+                         ids=["bf16_fp32gates", "fp16_fp16gates"])
+@pytest.mark.parametrize("layout", ["rect_state", "varlen_no_state"])
+def test_no_grad_call_runs_the_fused_kernel_and_matches_training_call(dtype, gate_dtype, layout,
+                                                                      monkeypatch):
+    """A no-grad public call at a shape that fills the GPU runs the fused kernel (the staged
+    composition inside the op is made to fail, and no PyTorch stage runs); its o and final
+    state equal the grad-enabled (staged) call's within the fused-vs-staged bars."""
+    from torch_dplr.ops import fused
+    from torch_dplr.testing import FUSED_VS_STAGED_TOL, rms_ratio
+
+    B, H, cu = (3, 48, None) if layout == "rect_state" else (1, 32, [0, 1, 1, 64, 700, 1000])
+    assert _fills_the_gpu(B if cu is None else len(cu) - 1, H)
+    inp = make_inputs(B, 1000, H, 64, dtype=dtype, device=DEV, seed=3,
+                      num_states=B if cu is None else len(cu) - 1)
+    inp["gk"] = inp["gk"].to(gate_dtype)
+    cu_t = None if cu is None else torch.tensor(cu, device=DEV)
+    state = layout == "rect_state"
+
+    def staged_composition_ran(*args, **kwargs):
+        raise AssertionError("dplr::chunk_fwd_fused composed the staged ops: the fused kernel "
+                             "was not used")
+
+    with forbid_pytorch_stages():
+        o_train, ht_train, _ = _call(inp, 64, RWKV7_BOUND, cu_t, state=state)
+        monkeypatch.setattr(fused, "_compose", staged_composition_ran)
+        o, ht = _call_no_grad(inp, 64, RWKV7_BOUND, cu_t, state=state)
+    torch.cuda.synchronize()
+    assert o.dtype == o_train.dtype and o.shape == o_train.shape and not o.requires_grad
+    tol = FUSED_VS_STAGED_TOL[dtype]
+    errors = {"o": rms_ratio(o, o_train)}
+    if state:
+        assert ht.dtype == torch.float32 and ht.shape == ht_train.shape
+        errors["ht"] = rms_ratio(ht, ht_train)
+    print(f"no-grad (fused) vs training (staged) call, {layout} {dtype}: {errors}")
+    assert all(e <= tol[n] for n, e in errors.items()), (errors, tol)
+
+
+def test_no_grad_call_with_few_pairs_stays_staged():
+    """Fewer (sequence, head) pairs than SMs: the fused op composes the staged kernels (the
+    serial per-(sequence, head) walk would leave most SMs idle)."""
+    from torch_dplr.ops import fused
+
+    inp = make_inputs(1, 2048, 4, 64, dtype=torch.bfloat16, device=DEV)
+    cu = torch.empty(0, dtype=torch.int64, device=DEV)
+    assert not fused.fused_kernel_applies(inp["q"], inp["v"], inp["gk"], cu, 64, RWKV7_BOUND)
+    with forbid_pytorch_stages():
+        o, _ = _call_no_grad(inp, 64, RWKV7_BOUND, state=False)
+        o_train, _, _ = _call(inp, 64, RWKV7_BOUND, state=False)
+    torch.testing.assert_close(o, o_train.detach(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
@@ -123,6 +195,16 @@ def _kernel_shape_samples():
                                   False, False)
         yield "chunk_state_bwd", (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, rnd(o), rnd(ht),
                                   h0, cu_t, C, True, True)
+        # few (sequence, head) pairs: the fused op composes the staged kernels
+        yield "chunk_fwd_fused", (q.detach(), k, v, a, b, gk, h0, cu_t, 0.125, C, RWKV7_BOUND,
+                                  True)
+    # enough pairs to fill the GPU (H = 72, 2 sequences): the fused kernel
+    inp = make_inputs(2, 200, 72, 64, dtype=torch.bfloat16, device=DEV)
+    q, k, v, a, b, gk, h0 = (inp[n] for n in "q k v a b gk initial_state".split())
+    cu_t = torch.empty(0, dtype=torch.int64, device=DEV)
+    yield "chunk_fwd_fused", (q, k, v, a, b, gk, h0, cu_t, 0.125, 64, RWKV7_BOUND, True)
+    yield "chunk_fwd_fused", (q, k, v, a, b, gk, h0.new_empty(0), cu_t, 0.125, 64, RWKV7_BOUND,
+                              False)
 
 
 def test_opcheck_kernel_shapes():

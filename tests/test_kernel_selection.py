@@ -17,8 +17,10 @@ CONFIGS = list(itertools.product((16, 32, 64), (64, 128), (torch.bfloat16, torch
 def test_every_selected_kernel_is_a_variant_the_ci_compiles(C, K, dtype, gate, bound):
     gate_dtype = torch.float32 if gate == "fp32" else dtype
     chosen = kernels.pipeline(C, K, K, dtype, gate_dtype, bound)
-    assert sorted(chosen) == sorted(("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd",
-                                     "state_bwd"))
+    stages = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd")
+    # the fused no-grad forward: C = 64, K = 64, centred scheme (RWKV-7's bound, not -5)
+    fused = ("fused_fwd",) if (C, K, bound) == (64, 64, -0.6065) else ()
+    assert sorted(chosen) == sorted(stages + fused)
     for op, (factory, config) in chosen.items():
         module = __import__(factory.__module__, fromlist=["variants"])
         assert config in list(module.variants()), (op, config)
@@ -27,6 +29,9 @@ def test_every_selected_kernel_is_a_variant_the_ci_compiles(C, K, dtype, gate, b
 def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
     class NoCompiler:
         def in_memory(self, factory, **config):
+            return False
+
+        def on_disk(self, factory, **config):
             return False
 
         def build_all(self, *args, **kwargs):
@@ -43,6 +48,41 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the answer is remembered: no second warning
         assert kernels.kernel_for("state_fwd", 64, 64, 64, torch.bfloat16) is None
+
+
+def test_first_use_compiles_the_stage_kernels_together_and_the_fused_forward_alone(monkeypatch):
+    """A training call's first op compiles the six stage kernels at once (not the no-grad
+    fused forward); a WY / state op whose kernel is compiled on disk compiles nothing (not its
+    default gate configuration's intra kernels); the fused forward compiles alone."""
+    compiled, on_disk = [], set()
+
+    class Recorder:
+        def in_memory(self, factory, **config):
+            return False
+
+        def on_disk(self, factory, **config):
+            return (factory.__name__, tuple(sorted(config.items()))) in on_disk
+
+        def build_all(self, items, **kwargs):
+            names = [factory.__name__.replace("_kernel", "") for factory, _ in items]
+            compiled.append(sorted(names))
+            on_disk.update((f.__name__, tuple(sorted(c.items()))) for f, c in items)
+
+        def build(self, factory, **config):
+            return factory.__name__
+
+    monkeypatch.setattr(kernels, "_csrc_tl", lambda: Recorder())
+    monkeypatch.setattr(kernels, "_kernels", {})
+    monkeypatch.setattr(kernels, "_ready", set())
+    rwkv = (64, 64, 64, torch.bfloat16, torch.float32, -0.6065)
+    assert kernels.kernel_for("intra_fwd", *rwkv) == "intra_fwd_kernel"
+    assert compiled == [sorted(["intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd",
+                                "state_bwd"])]
+    # the WY op names the default gates (fp32, no bound): its kernel is on disk already
+    assert kernels.kernel_for("wy_fwd", 64, 64, 64, torch.bfloat16) == "wy_fwd_kernel"
+    assert len(compiled) == 1
+    assert kernels.kernel_for("fused_fwd", *rwkv) == "fused_fwd_kernel"
+    assert compiled[1:] == [["fused_fwd"]]
 
 
 def test_forbid_pytorch_stages_replaces_and_restores():

@@ -18,7 +18,15 @@ BWD = list(backward_samples())
 
 def test_every_op_has_samples():
     covered = {name for name, _ in FWD + BWD}
-    assert covered == set(ops.FORWARD_OPS) | set(ops.BACKWARD_OPS)
+    assert covered == set(ops.FORWARD_OPS) | set(ops.BACKWARD_OPS) | set(ops.NO_GRAD_OPS)
+
+
+def test_no_grad_op_refuses_a_backward():
+    name, args = next((n, a) for n, a in FWD if n == "chunk_fwd_fused")
+    q = args[0].detach().clone().requires_grad_()
+    o, _ = torch.ops.dplr.chunk_fwd_fused(q, *args[1:])
+    with pytest.raises(RuntimeError, match="no-grad op"):
+        o.sum().backward()
 
 
 @pytest.mark.parametrize("name,args", FWD, ids=_ids(FWD))

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import torch_dplr
-from torch_dplr.testing import TOLERANCES
+from torch_dplr.testing import TOLERANCES, rms_ratio
 
 from torch_dplr.testing import parity_errors
 
@@ -120,3 +120,24 @@ def test_final_state_only_and_output_only_losses():
         torch.testing.assert_close(got, torch.zeros_like(got) if ref is None else ref)
     for got, ref in zip(g_out, torch.autograd.grad(o_r.sum(), xs)):
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("cu", [None, [0, 1, 1, 70, 150]], ids=["rect", "varlen"])
+@pytest.mark.parametrize("use_state", [True, False], ids=["h0", "no_h0"])
+def test_fused_forward_op_matches_oracle(dtype, cu, use_state):
+    """dplr::chunk_fwd_fused (the no-grad forward) against the fp64 recurrence: o and the
+    final state, rect with a partial last chunk and varlen with 1-token and empty sequences."""
+    from torch_dplr.testing import make_inputs, recurrence_oracle
+    B, T = (2, 83) if cu is None else (1, 150)
+    inp = make_inputs(B, T, 2, 16, dtype=dtype, num_states=B if cu is None else len(cu) - 1)
+    q, k, v, a, b, gk, h0 = (inp[n] for n in "q k v a b gk initial_state".split())
+    cu_t = torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu)
+    h0_arg = h0 if use_state else h0.new_empty(0)
+    o, ht = torch.ops.dplr.chunk_fwd_fused(q, k, v, a, b, gk, h0_arg, cu_t, 0.25, 64, -0.6065,
+                                           use_state)
+    assert o.dtype == v.dtype and ht.dtype == (torch.float64 if dtype == torch.float64
+                                               else torch.float32)
+    o_ref, ht_ref = recurrence_oracle(q, k, v, a, b, gk, 0.25, h0 if use_state else None,
+                                      None if cu is None else cu_t)
+    assert_within({"o": rms_ratio(o, o_ref), "final_state": rms_ratio(ht, ht_ref)}, dtype)

@@ -22,7 +22,8 @@ def no_op_runs(monkeypatch):
     """Validation must fail before any dplr op runs: make every op call an error."""
     def boom(*a, **k):
         raise AssertionError("an op ran before validation rejected the input")
-    for name in ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "recurrent_fwd"):
+    for name in ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "chunk_fwd_fused",
+                 "recurrent_fwd"):
         monkeypatch.setattr(torch.ops.dplr, name, boom, raising=False)
     yield
 

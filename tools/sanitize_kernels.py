@@ -5,8 +5,9 @@
 
 Covers the six kernels (intra fwd/bwd in both gate schemes, WY fwd/bwd, state fwd/bwd) at
 K = V = 64 and 128 and chunk 16 and 64, rect with state and varlen (empty and 1-token
-sequences, a partial last chunk) without, through the public op (forward + backward), and
-fails if any stage fell back to its PyTorch kernel.
+sequences, a partial last chunk) without, through the public op (forward + backward), then
+the fused no-grad forward (C = K = V = 64) rect with state and varlen, with enough (sequence,
+head) pairs for it to apply; fails if any stage fell back to its PyTorch kernel.
 """
 from __future__ import annotations
 
@@ -33,6 +34,26 @@ def run(C, K, bounded, varlen):
     assert torch.isfinite(o).all() and all(torch.isfinite(t.grad).all() for t in leaves.values())
 
 
+def run_fused(varlen):
+    from torch_dplr.ops.fused import fused_kernel
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cu = torch.tensor([0, 0, 1, 69, 150], device="cuda") if varlen else None
+    H = -(-sms // (4 if varlen else 2))  # enough (sequence, head) pairs for the fused kernel
+    inp = make_inputs(1 if varlen else 2, 150, H, 64, dtype=torch.bfloat16, device="cuda",
+                      num_states=4 if varlen else 2)
+    args = [inp[n] for n in ("q", "k", "v", "a", "b", "gk")]
+    empty = torch.empty(0, dtype=torch.long, device="cuda")
+    assert fused_kernel(args[0], args[2], args[5], empty if cu is None else cu, 64,
+                        RWKV7_BOUND) is not None, "the fused kernel would not run"
+    with torch.no_grad():
+        o, ht = torch_dplr.chunk_dplr_delta_rule(
+            *args, initial_state=inp["initial_state"], output_final_state=True, cu_seqlens=cu,
+            chunk_size=64, lower_bound=RWKV7_BOUND)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+
+
 def main() -> int:
     with forbid_pytorch_stages():
         for C in (16, 64):
@@ -40,6 +61,9 @@ def main() -> int:
                 for bounded, varlen in ((True, False), (False, True)):
                     run(C, K, bounded, varlen)
                     print(f"ran C={C} K={K} bounded={bounded} varlen={varlen}", flush=True)
+        for varlen in (False, True):
+            run_fused(varlen)
+            print(f"ran fused forward varlen={varlen}", flush=True)
     return 0
 
 

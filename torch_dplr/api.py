@@ -4,7 +4,9 @@ one import.  They validate, then only compose ``torch.ops.dplr.*`` ops: under
 
 Save-versus-recompute is not a flag here: without checkpointing, autograd keeps each stage's
 outputs (FLA's ``disable_recompute=True``); wrap the model in ``torch.utils.checkpoint`` with
-a policy from :mod:`torch_dplr.policies` to recompute stages instead.
+a policy from :mod:`torch_dplr.policies` to recompute stages instead.  A chunked call that
+needs no gradient (grad disabled, or no input requiring grad) keeps nothing: it runs the one
+op ``dplr::chunk_fwd_fused`` instead of the stages.
 """
 from __future__ import annotations
 
@@ -116,12 +118,18 @@ def _chunk(q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqle
     if safe_gate:
         bound = max(bound, SAFE_GATE_BOUND)
     cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
-    keep = _needs_grad(q, k, v, a, b, gk, initial_state)
+    if not _needs_grad(q, k, v, a, b, gk, initial_state):
+        # nothing to keep for a backward: one op (one fused kernel on CUDA where it applies).
+        # Grad mode and requires_grad are static to Dynamo: a compiled no-grad graph holds
+        # this node, a training graph the staged ones.
+        o, final_state = torch.ops.dplr.chunk_fwd_fused(q, k, v, a, b, gk, h0, cu, scale, C,
+                                                        bound, use_h0)
+        return o, (final_state if output_final_state else None)
     gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = torch.ops.dplr.chunk_intra_fwd(
         q, k, a, b, gk, cu, scale, C, bound)
     _, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu, C)
     o, final_state, _, _ = torch.ops.dplr.chunk_state_fwd(
-        qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu, C, use_h0, keep)
+        qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu, C, use_h0, True)
     return o, (final_state if output_final_state else None)
 
 

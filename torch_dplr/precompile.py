@@ -1,8 +1,9 @@
 """``python -m torch_dplr precompile``: compile the TileLang kernels before first use.
 
-Without options it compiles every kernel variant the library can run (144; a GPU host
+Without options it compiles every kernel variant the library can run (148; a GPU host
 with 16 cores needs a few minutes, once); with ``--chunk-size``/``--head-dim``/``--dtype``
-only the six kernels of that configuration (what a first call would compile).  Kernels land
+only the kernels of that configuration (what a first call would compile: the six stage
+kernels, and the fused no-grad forward where it applies).  Kernels land
 in TileLang's disk cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``).  No GPU is
 needed: a cache filled on a CPU machine with nvcc serves the H100/H200.
 """

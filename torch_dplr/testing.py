@@ -22,6 +22,11 @@ TOLERANCES = {
     torch.float64: (1e-10, 1e-10),
 }
 
+# The fused no-grad forward against the staged TileLang kernels (RMS ratio, o and final state):
+# the same rounding points, so only summation order inside wgmma and the rare dtype rounding
+# flips it causes differ (a first guess, to tighten after GPU runs).
+FUSED_VS_STAGED_TOL = {torch.bfloat16: dict(o=5e-3, ht=1e-4), torch.float16: dict(o=2e-3, ht=1e-4)}
+
 
 def rms_ratio(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``RMS(out - ref) / RMS(ref)`` in fp64 on the tensors' device (0 when both are zero)."""
@@ -137,6 +142,8 @@ def parity_errors(B, T, H, K, V=None, *, dtype=torch.float32, gates="rwkv7", chu
 PYTORCH_STAGES = (("intra", "chunk_intra_fwd_reference"), ("intra", "chunk_intra_bwd_reference"),
                   ("wy", "chunk_wy_fwd_reference"), ("wy", "chunk_wy_bwd_reference"),
                   ("state", "chunk_state_fwd_reference"), ("state", "chunk_state_bwd_reference"))
+# (dplr::chunk_fwd_fused has no PyTorch fallback of its own on CUDA: without its kernel it
+# composes the stage ops, which the entries above guard.)
 
 
 @contextlib.contextmanager

@@ -1,13 +1,16 @@
 """Which TileLang kernel runs an op call, and compiling a call's kernels before first use.
 
 :func:`pipeline` maps the static facts of a call (chunk size, head dims, dtypes, declared gate
-bound) to the six kernels (factory + config) of that configuration; :func:`kernel_for` returns
-one of them compiled.  The first call that needs a kernel not yet in memory compiles every
-kernel of the whole forward+backward pipeline at once, in parallel processes, with a progress
-line per kernel on stderr (``TORCH_DPLR_QUIET=1`` silences it); later calls, other batch
-sizes, lengths and varlen layouts reuse them (every size is symbolic in the kernels).  A kernel
-that cannot be built leaves its op on the PyTorch kernel, with one warning.
-:func:`precompile` compiles a configuration ahead of time.
+bound) to the kernels (factory + config) of that configuration: the six stage kernels, plus the
+fused no-grad forward where it is built (:func:`fused_fwd_built`); :func:`kernel_for` returns
+one of them compiled.  The first call that needs a stage kernel not yet in memory compiles
+the six stage kernels of the whole forward+backward pipeline at once, in parallel processes,
+with a progress line per kernel on stderr (``TORCH_DPLR_QUIET=1`` silences it); the fused
+no-grad forward is compiled on its own when a no-grad call first needs it (training never waits
+for it).  Later calls, other batch sizes, lengths and varlen layouts reuse them (every size is
+symbolic in the kernels).  A kernel that cannot be built leaves its op on the PyTorch kernel (the
+fused forward: on the stage kernels), with one warning.  :func:`precompile` compiles a
+configuration ahead of time.
 """
 from __future__ import annotations
 
@@ -42,14 +45,24 @@ def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def fused_fwd_built(chunk_size: int, K: int, V: int, dtype: torch.dtype,
+                    lower_bound: float) -> bool:
+    """Whether ``csrc_tl.fused_fwd`` has a variant for this configuration: its chunk size and
+    head dims, bf16/fp16 data, and a declared gate bound that licenses the centred scheme."""
+    fused, intra_fwd = _family("fused_fwd"), _family("intra_fwd")
+    return (chunk_size in fused.CHUNK_SIZES and K == V and K in fused.HEAD_DIMS
+            and _name(dtype) in fused.DTYPES and intra_fwd.centred_is_safe(chunk_size, lower_bound))
+
+
 @functools.lru_cache(maxsize=None)
 def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: torch.dtype,
              lower_bound: float) -> dict[str, tuple]:
-    """``{op name: (factory, config)}`` for the six kernels of one configuration."""
+    """``{op name: (factory, config)}`` for the six stage kernels of one configuration, and
+    ``"fused_fwd"`` where it is built (the gate dtype must then be fp32 or ``dtype``)."""
     intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd = map(
         _family, ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd"))
     C, dt, gdt = chunk_size, _name(dtype), _name(gate_dtype)
-    return {
+    kernels = {
         "intra_fwd": (intra_fwd.intra_fwd_kernel,
                       dict(C=C, K=K, dtype=dt, gate_dtype=gdt,
                            scheme=intra_fwd.scheme_for(C, lower_bound))),
@@ -61,6 +74,10 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
         "state_fwd": (state_fwd.state_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "state_bwd": (state_bwd.state_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
     }
+    if fused_fwd_built(C, K, V, dtype, lower_bound) and gdt in ("float32", dt):
+        kernels["fused_fwd"] = (_family("fused_fwd").fused_fwd_kernel,
+                                dict(C=C, K=K, V=V, dtype=dt, gate_dtype=gdt))
+    return kernels
 
 
 def _progress(line: str) -> None:
@@ -68,18 +85,34 @@ def _progress(line: str) -> None:
         print(f"torch_dplr: {line}", file=sys.stderr, flush=True)
 
 
+NO_GRAD_ONLY = ("fused_fwd",)  # kernels a training call never runs
+
+
 def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
                gate_dtype: torch.dtype = torch.float32, lower_bound: float = float("-inf"),
-               workers: int | None = None) -> None:
-    """Compile (or load from the disk cache) every kernel of one configuration."""
+               workers: int | None = None, ops=None) -> None:
+    """Compile the kernels of one configuration (``ops``: those ops only; default every one)
+    that are not in the disk cache yet, in parallel.  None is loaded here: each op loads its
+    own kernel when it first runs."""
     key = (chunk_size, K, V, dtype, gate_dtype, lower_bound)
+    kernels = pipeline(*key)
+    ops = tuple(sorted(kernels if ops is None else ops))
     with _lock:
-        if key in _ready:
+        if (key, ops) in _ready:
             return
         try:
-            _csrc_tl().build_all(pipeline(*key).values(), workers=workers, progress=_progress)
+            _csrc_tl().build_all([kernels[op] for op in ops if op in kernels], workers=workers,
+                                 progress=_progress, load=False)
         finally:  # a kernel that failed is remembered by the build layer, not retried here
-            _ready.add(key)
+            _ready.add((key, ops))
+
+
+def _group_of(op: str, kernels: dict) -> tuple[str, ...]:
+    """The kernels compiled together with ``op`` on first use: the stage kernels of the whole
+    forward+backward (a training step needs them all), or a no-grad-only kernel alone."""
+    if op in NO_GRAD_ONLY:
+        return (op,)
+    return tuple(name for name in kernels if name not in NO_GRAD_ONLY)
 
 
 def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
@@ -87,28 +120,30 @@ def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
     """The compiled kernel of ``op`` for this configuration, or None when it cannot be built
     here (no nvcc, a TileLang error): the op then runs its PyTorch kernel, after one warning.
 
-    A kernel this process has not built yet brings its whole pipeline with it (compiled in
-    parallel, see the module doc); WY and state ops, which don't see the gates, name the
-    default gate configuration and find their kernel already built when the intra op of the
-    same call ran first."""
+    A kernel neither in memory nor compiled on disk brings its group with it (compiled in
+    parallel, see the module doc and :func:`_group_of`); WY and state ops, which don't see the
+    gates, name the default gate configuration and find their kernel already compiled when the
+    intra op of the same call ran first (so they must not compile that default configuration's
+    gate kernels)."""
     key = (chunk_size, K, V, dtype, gate_dtype, lower_bound)
     kernel = _kernels.get((op, key), _MISSING)
     if kernel is _MISSING:
         start = time.perf_counter()
         try:
             csrc_tl = _csrc_tl()
-            factory, config = pipeline(*key)[op]
-            if not csrc_tl.in_memory(factory, **config):
+            kernels = pipeline(*key)
+            factory, config = kernels[op]
+            if not (csrc_tl.in_memory(factory, **config) or csrc_tl.on_disk(factory, **config)):
                 try:
-                    precompile(*key)
+                    precompile(*key, ops=_group_of(op, kernels))
                 except RuntimeError:
                     pass  # another kernel of the pipeline failed: this op may still have its own
             kernel = csrc_tl.build(factory, **config)
         except Exception as exc:  # noqa: BLE001 (any build failure: fall back, loudly once)
+            instead = "the stage kernels run" if op == "fused_fwd" else "this op runs its PyTorch kernel"
             warnings.warn(f"torch_dplr: the TileLang kernel {op} for chunk_size={chunk_size}, "
                           f"K={K}, V={V}, {dtype} could not be built ({type(exc).__name__}: "
-                          f"{exc}); this op runs its PyTorch kernel instead", RuntimeWarning,
-                          stacklevel=2)
+                          f"{exc}); {instead} instead", RuntimeWarning, stacklevel=2)
             kernel = None
         _kernels[(op, key)] = kernel
         _seconds_getting_kernels[0] += time.perf_counter() - start

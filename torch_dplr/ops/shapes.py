@@ -73,6 +73,13 @@ def recurrent_fwd_shapes(q, v, cu_seqlens):
     return (((B, T, H, V), v.dtype), ((_state_batch(q, cu_seqlens), H, K, V), acc_dtype(q.dtype)))
 
 
+def fused_fwd_shapes(q, v, cu_seqlens):
+    """o, final_state of the fused no-grad forward (the final state always: fixed arity)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return (((B, T, H, V), v.dtype), ((_state_batch(q, cu_seqlens), H, K, V), acc_dtype(q.dtype)))
+
+
 def recurrent_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state):
     """dq, dk, dv, da, db, dgk, dh0."""
     grads = tuple((tuple(x.shape), x.dtype) for x in (q, k, v, a, b, gk))
