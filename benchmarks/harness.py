@@ -32,7 +32,7 @@ import torch
 import torch_dplr
 from torch_dplr import policies
 
-from . import calls, cells, inputs, report, stages
+from . import calls, cells, inputs, prewarm, report, stages
 from .fla_routes import FLA, ROUTES
 from .timing import Timer
 
@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results"
 AUTOTUNE_ENV = "TORCH_DPLR_BENCH_FLA_AUTOTUNE"  # a tar.xz of Triton autotune results for FLA
 AUTOTUNE_CANDIDATES = (REPO / ".devsite" / "fla_triton_autotune_h200.tar.xz",
+                       REPO / ".gpu" / "fla_triton_autotune_h200.tar.xz",  # tools/pack_gpu_bundle.sh
                        REPO.parent / "shared" / "bench" / "fla_triton_autotune_h200.tar.xz")
 # Every record carries these keys, null when not measured.
 REQUIRED = ("torch_dplr_ms", "fla_triton_ms", "fla_tilelang_ms", "ratio", "torch_dplr_peak_mb",
@@ -78,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="shrink every shape (implied on the CPU)")
     p.add_argument("--resume", action="store_true",
                    help="append to the output, skipping cells it already holds without error")
+    p.add_argument("--no-prewarm", action="store_true",
+                   help="compile inside the timed cells' first calls instead of in parallel up front")
     p.add_argument("--first-call-timeout", type=float, default=540.0, help="seconds per subprocess")
     p.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
     args = p.parse_args(argv)
@@ -126,6 +129,19 @@ def _pytorch_stages_so_far() -> list[str]:
     from torch_dplr.ops import kernels
 
     return sorted({op for (op, _), kernel in kernels._kernels.items() if kernel is None})
+
+
+def other_gpu_processes() -> list[int] | None:
+    """PIDs of other processes on the GPUs (None: nvidia-smi not available).  Timings taken
+    while another process computes on the GPU are not measurements of either library."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return [int(p) for p in out.stdout.split() if p.isdigit() and int(p) != os.getpid()]
 
 
 def run_meta(device, fla) -> dict:
@@ -286,7 +302,10 @@ def first_call_cell_id(shape) -> str:
 
 
 def _first_call_run(shape, device, cache_dir, timeout) -> dict:
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(cache_dir))
+    # Python's bytecode cache is part of a warm disk cache: where site-packages cannot be
+    # written (the lent GPU host's) the cold run leaves it in the same folder for the warm one
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(cache_dir),
+               PYTHONPYCACHEPREFIX=str(Path(cache_dir) / "pycache"))
     cmd = [sys.executable, "-m", "benchmarks.first_call", "--device", device.type,
            "--shape", f"{shape.B},{shape.T},{shape.H},{shape.D}", "--chunk-size", "64"]
     try:
@@ -384,6 +403,17 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name or device_stem(device)}.json"
     skip = done_cells(path) if args.resume else set()
+    todo = [c for c in selected if c.id not in skip]
+    if device.type == "cuda" and todo and not args.no_prewarm:
+        seconds = prewarm.prewarm(todo, fla=fla is not None,
+                                  say=lambda line: print(f"prewarm: {line}", file=sys.stderr, flush=True))
+        print(f"prewarm: {seconds:.0f} s", file=sys.stderr, flush=True)
+    if device.type == "cuda":
+        others = other_gpu_processes()
+        meta["other_gpu_processes"] = others
+        if others:
+            print(f"WARNING: other processes use the GPU ({others}); the times are not clean",
+                  file=sys.stderr, flush=True)
     with path.open("a" if args.resume else "w") as out:
         def sink(record):
             out.write(json.dumps(record) + "\n")

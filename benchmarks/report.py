@@ -7,6 +7,8 @@ When the run has ``stage`` records (:mod:`benchmarks.stages`), a "Where the time
 cell gives each stage op's time, bytes and achieved bandwidth, and the stages' sum against the
 end-to-end time.  When a cell was measured more than once (``--resume``, reruns), its last
 record counts.
+A hand-written analysis of a run (why a target is missed, what was tried) lives beside it as
+``<stem>-notes.md`` and is appended to the markdown, so regenerating the table keeps it.
 matplotlib is optional: without it the plot is skipped with a message.
 """
 from __future__ import annotations
@@ -158,7 +160,10 @@ def stage_table(ops) -> list[str]:
     lines = ["| op | ms | MB moved | GB/s | of 4300 GB/s | HBM floor ms |", "|---|---|---|---|---|---|"]
     for r in ops:
         mb = None if r.get("bytes") is None else r["bytes"] / 1e6
-        lines.append(f"| {r.get('op') or '–'} | {_num(r.get('ms'))} | {_num(mb, '{:.1f}')} "
+        op = r.get('op') or '–'
+        if r.get("fused_kernel") is False:  # chunk_fwd_fused composing the staged kernels
+            op += " (staged kernels)"
+        lines.append(f"| {op} | {_num(r.get('ms'))} | {_num(mb, '{:.1f}')} "
                      f"| {_num(r.get('gb_s'), '{:.0f}')} | {_percent(r.get('bw_fraction'))} "
                      f"| {_num(_floor_ms(r.get('bytes')))} |")
     return lines
@@ -279,7 +284,8 @@ def write_report(jsonl_path, md_path=None, png_path=None) -> dict:
     md_path = Path(md_path) if md_path else jsonl_path.with_suffix(".md")
     png_path = Path(png_path) if png_path else jsonl_path.with_suffix(".png")
     records = load(jsonl_path)
-    md_path.write_text(markdown(records))
+    notes = jsonl_path.with_name(f"{jsonl_path.stem}-notes.md")
+    md_path.write_text(markdown(records) + ("\n" + notes.read_text() if notes.is_file() else ""))
     written = {"md": str(md_path)}
     if plot(records, png_path):
         written["png"] = str(png_path)

@@ -8,15 +8,17 @@ ops before it produced (the backward ops get the output gradient ``do`` and, wit
 final-state gradient ``dht``).  Then it times each op alone with the harness's
 :class:`~benchmarks.timing.Timer` (CUDA events, warm-up, median, L2 flushed between reps).
 ``chunk_state_fwd`` is timed twice: keeping ``h`` / ``v_new`` for the backward (``:keep``, what
-a training call runs) and not (``:nokeep``, what a no-grad call runs).
+a training call runs) and not (``:nokeep``).  ``chunk_fwd_fused`` is the no-grad call's one op:
+its fused kernel where that applies (``fused_kernel`` true), else the three staged forward ops.
 
 One ``stage`` record per op: ``ms``; ``bytes``, its compulsory traffic (the nbytes of its
 tensor inputs and outputs: every input read once, every output written once; a kernel that
 re-reads or spills moves more); ``gb_s`` = bytes / time; ``bw_fraction`` = gb_s / 4300, the HBM
 bandwidth an H200 sustains.  One ``stage_sum`` record per path compares the sum over the path's
-ops with the public function timed end to end by the same timer: ``fwd`` (intra, WY, state
-without activations) against a no-grad call, ``fwd_bwd`` (intra, WY, state with activations and
-the three backward ops) against forward+backward without checkpointing.  ``glue_ms``, the
+ops with the public function timed end to end by the same timer: ``fwd`` (the fused op where
+its kernel applies, else intra, WY, state without activations) against a no-grad call,
+``fwd_bwd`` (intra, WY, state with activations and the three backward ops) against
+forward+backward without checkpointing.  ``glue_ms``, the
 difference, is what runs outside the stage ops: dispatch and autograd, allocation, zero-filled
 missing gradients, the sum of the two ``dv`` parts.  ``io_bytes`` is the public call's own
 inputs and outputs moved once, the floor of a fully fused implementation.
@@ -39,9 +41,11 @@ HBM_GB_S = 4300.0  # what an H200 sustains (issue 4)
 STAGE_SUM = "stage_sum"
 RECORD_MODES = ("stage", STAGE_SUM)
 KEEP, NO_KEEP = "chunk_state_fwd:keep", "chunk_state_fwd:nokeep"
+FUSED = "chunk_fwd_fused"
 OPS = ("chunk_intra_fwd", "chunk_wy_fwd", KEEP, NO_KEEP, "chunk_state_bwd", "chunk_wy_bwd",
-       "chunk_intra_bwd")
-# The ops each end-to-end path runs (a no-grad forward keeps no activations).
+       "chunk_intra_bwd", FUSED)
+# The ops each end-to-end path runs (a no-grad forward keeps no activations; where the fused
+# kernel applies it is the one op FUSED instead, see path_ops).
 PATHS = {"fwd": ("chunk_intra_fwd", "chunk_wy_fwd", NO_KEEP),
          "fwd_bwd": ("chunk_intra_fwd", "chunk_wy_fwd", KEEP, "chunk_state_bwd", "chunk_wy_bwd",
                      "chunk_intra_bwd")}
@@ -105,7 +109,24 @@ def stage_calls(cell: Cell, inp: Inputs) -> dict[str, StageCall]:
                                cu, C)
     run("chunk_intra_bwd", dplr.chunk_intra_bwd, q, k, a, b, gk, cu, dgl, dA_qk, dA_qb, dA_ak,
         dA_ab, dqg, dkg, dag, dbg, scale, C, bound)
+    run(FUSED, dplr.chunk_fwd_fused, q, k, v, a, b, gk, h0, cu, scale, C, bound, cell.state)
     return done
+
+
+def fused_kernel_runs(cell: Cell, inp: Inputs) -> bool:
+    """Whether ``chunk_fwd_fused`` runs its fused kernel for this cell (CUDA only)."""
+    if inp.q.device.type != "cuda":
+        return False
+    from torch_dplr.ops.fused import fused_kernel
+
+    kwargs = calls.call_kwargs(cell, inp)
+    bound = float("-inf") if kwargs["lower_bound"] is None else float(kwargs["lower_bound"])
+    cu, _, _ = _sentinels(cell, inp)
+    return fused_kernel(inp.q, inp.v, inp.gk, cu, cell.chunk_size, bound) is not None
+
+
+def path_ops(path: str, fused: bool) -> tuple[str, ...]:
+    return (FUSED,) if path == "fwd" and fused else PATHS[path]
 
 
 def io_bytes(cell: Cell, inp: Inputs, path: str) -> int:
@@ -164,13 +185,14 @@ def end_to_end_steps(cell: Cell, inp: Inputs) -> dict[str, tuple[Callable, bool]
 
 
 def sum_record(cell: Cell, path: str, ops: dict[str, dict], end_to_end: dict, nbytes: int,
-               meta: dict) -> dict:
+               meta: dict, fused: bool = False) -> dict:
     """A path's stages (their records in ``ops``) against its end-to-end time."""
-    parts = [ops[op] for op in PATHS[path]]
+    names = path_ops(path, fused)
+    parts = [ops[op] for op in names]
     stages_ms = None if any(p["ms"] is None for p in parts) else round(sum(p["ms"] for p in parts), 4)
     e2e = end_to_end.get("ms")
     stage_bytes = sum(p["bytes"] for p in parts)
-    record = {**_base(cell, meta, path, STAGE_SUM), "path": path, "ops": list(PATHS[path]),
+    record = {**_base(cell, meta, path, STAGE_SUM), "path": path, "ops": list(names),
               "stages_ms": stages_ms, "end_to_end_ms": e2e,
               "glue_ms": None if stages_ms is None or e2e is None else round(e2e - stages_ms, 4),
               "bytes": stage_bytes, **_bandwidth(stage_bytes, stages_ms), "io_bytes": nbytes}
@@ -191,10 +213,12 @@ def measure(cell: Cell, inp: Inputs, timer: Timer, meta: dict) -> list[dict]:
                  "gb_s": None, "bw_fraction": None, "stage_error": _error(exc)}]
     ops = {op: stage_record(cell, stage_ops[op], timer, meta) for op in OPS}
     del stage_ops
+    fused = fused_kernel_runs(cell, inp)
+    ops[FUSED]["fused_kernel"] = fused
     sums = []
     for path, (step, grad) in end_to_end_steps(cell, inp).items():
         end_to_end = _timed_ms(timer, step, grad)
-        sums.append(sum_record(cell, path, ops, end_to_end, io_bytes(cell, inp, path), meta))
+        sums.append(sum_record(cell, path, ops, end_to_end, io_bytes(cell, inp, path), meta, fused))
     return list(ops.values()) + sums
 
 

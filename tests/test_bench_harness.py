@@ -66,6 +66,9 @@ def test_report_from_synthetic_jsonl(tmp_path):
     assert "## Targets" in md and "→Triton" in md and "## Errors" in md and "RuntimeError: x" in md
     assert "| first call, warm cache <= 2 s | 3.00 s | **no** |" in md
     assert "Where the time goes" not in md  # no stage records
+    (tmp_path / "h200-notes.md").write_text("## Why the misses\n\nmeasured reasons\n")
+    report.write_report(path)
+    assert (tmp_path / "h200.md").read_text().endswith("## Why the misses\n\nmeasured reasons\n")
     ratio = records[1]["ratio"]
     assert ratio == round(min(records[1]["fla_triton_ms"], records[1]["fla_tilelang_ms"] or 1e9)
                           / records[1]["torch_dplr_ms"], 3)
@@ -185,6 +188,11 @@ def test_stage_breakdown_on_tiny_cpu_cell():
         assert r["ms"] > 0 and r["bytes"] > 0 and r["gb_s"] >= 0 and r["bw_fraction"] >= 0
         assert (r["N"], r["gates"], r["state"], r["stage_cell"]) == (3, "unbounded", True, cell.id)
     assert ops[stages.KEEP]["bytes"] > ops[stages.NO_KEEP]["bytes"]  # h and v_new
+    # the no-grad op: on the CPU it composes the stages; where its fused kernel runs it is the
+    # whole forward path
+    assert ops[stages.FUSED]["fused_kernel"] is False
+    assert stages.path_ops("fwd", True) == (stages.FUSED,)
+    assert stages.path_ops("fwd", False) == stages.PATHS["fwd"]
     sums = {r["path"]: r for r in records if r["mode"] == stages.STAGE_SUM}
     assert set(sums) == set(stages.PATHS)
     for path, r in sums.items():
@@ -230,7 +238,103 @@ def test_harness_stage_cell_and_resume(tmp_path):
             "--warmup", "0", "--modes", "stage", "--cells", r"^B2-T128-H2-D64/c16/unbounded/nostate/"]
     assert harness.main(argv) == 0
     lines = (tmp_path / "s.json").read_text().splitlines()
-    assert [json.loads(x)["mode"] for x in lines] == ["stage"] * 7 + [stages.STAGE_SUM] * 2
+    assert [json.loads(x)["mode"] for x in lines] == ["stage"] * len(stages.OPS) + [stages.STAGE_SUM] * 2
     assert harness.main(argv + ["--resume"]) == 0
     assert (tmp_path / "s.json").read_text().splitlines() == lines  # done: nothing measured again
     assert "## Where the time goes" in (tmp_path / "s.md").read_text()
+
+
+def test_prewarm_jobs_keep_each_layout_short():
+    from benchmarks import prewarm
+
+    envelope = cells.envelope()
+    jobs = prewarm.fla_jobs(envelope)
+    # one FLA job per (shape, gate style, chunk size, state); stage cells add none
+    assert len(jobs) == 6 * 5 * 2
+    assert prewarm.fla_jobs(cells.envelope(stages=True)) == jobs
+    for job in jobs:
+        full = next(c.shape for c in envelope if (c.shape.B, c.shape.H, c.shape.D, c.shape.N)
+                    == (job["B"], job["H"], job["D"], job["N"]))
+        assert job["T"] <= full.T and job["T"] % 64 == 0
+        if job["N"] is not None:  # every sequence keeps some tokens
+            assert job["T"] >= 64 * job["N"]
+    # torch_dplr: six kernels per (chunk size, head dim, gate bound) in the envelope
+    # (rwkv7: 3 chunk sizes x 2 head dims, unbounded: 2 x 2)
+    assert len(prewarm.dplr_items(envelope)) <= 6 * 10
+
+
+def test_prewarm_merges_compiled_kernels_not_autotune_results(tmp_path):
+    import shutil
+
+    from benchmarks import prewarm
+
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    (shared / "tuned").mkdir(parents=True)
+    (shared / "tuned" / "kernel.autotune.json").write_text("{}")
+    (shared / "old").mkdir()
+    (shared / "old" / "kernel.cubin").write_text("shared")
+    prewarm.seed_private_cache(shared, private)
+    assert sorted(p.name for p in private.iterdir()) == ["old", "tuned"]
+    shutil.rmtree(private / "old")
+    (private / "new").mkdir()
+    (private / "new" / "kernel.cubin").write_text("compiled")
+    (private / "retuned").mkdir()
+    (private / "retuned" / "kernel.autotune.json").write_text("{}")  # tuned on a short input
+    (private / "old").mkdir()
+    (private / "old" / "kernel.cubin").write_text("private")
+    assert prewarm.merge_compiled(private, shared) == 1
+    assert sorted(p.name for p in shared.iterdir()) == ["new", "old", "tuned"]
+    assert (shared / "old" / "kernel.cubin").read_text() == "shared"
+
+
+def test_prewarm_worker_pool_runs_every_job_and_kills_a_hung_one(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from benchmarks import prewarm
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(prewarm, "WORKER_TIMEOUT_S", 3.0)
+    started, lines = [], []
+
+    def launch(job, private, log):
+        started.append(job["id"])
+        (private / f"kernel{job['id']}").mkdir()  # a compiled kernel to merge
+        code = "import time; time.sleep(60)" if job["id"] == 2 else f"print('job {job['id']}')"
+        with log.open("w") as out:
+            return subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    jobs = [{"id": i, "B": 1, "T": 64, "H": 1, "D": 64, "N": None, "gates": "rwkv7",
+             "chunk_size": 16, "state": False} for i in range(4)]
+    prewarm.run_fla_jobs(jobs, workers=2, say=lines.append, launch=launch)
+    assert sorted(started) == [0, 1, 2, 3] and len(lines) == 4
+    assert sorted(p.name for p in (tmp_path / "triton").iterdir()) == [f"kernel{i}" for i in range(4)]
+    assert any("job 3" in line for line in lines) and any("exit -9" in line for line in lines)
+
+
+def test_prewarm_stops_its_workers_when_interrupted(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from benchmarks import prewarm
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    procs = []
+
+    def launch(job, private, log):
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                      start_new_session=True))
+        return procs[-1]
+
+    def interrupted(line):
+        raise KeyboardInterrupt
+
+    jobs = [{"id": i, "B": 1, "T": 64, "H": 1, "D": 64, "N": None, "gates": "rwkv7",
+             "chunk_size": 16, "state": False} for i in range(3)]
+    monkeypatch.setattr(prewarm, "WORKER_TIMEOUT_S", 1.0)  # the first report interrupts
+    try:
+        prewarm.run_fla_jobs(jobs, workers=3, say=interrupted, launch=launch)
+    except KeyboardInterrupt:
+        pass
+    assert len(procs) == 3 and all(p.poll() is not None for p in procs)  # none left running

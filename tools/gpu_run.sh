@@ -5,10 +5,18 @@
 #   GPU_TESTS="f1 f2"   pytest each file (PER_TEST_TIMEOUT s each, default 300)
 #   SANITIZE=1          compute-sanitizer racecheck + memcheck over tools/sanitize_kernels.py
 #   SELFCHECK=<s>       python -m torch_dplr --json
-#   BENCH="<args>"      python -m torch_dplr bench <args> (results under $OUT/bench)
-#   PROFILE="<args>"    tools/profile_pipeline.py <args>: per-kernel device time ($OUT/profile.*)
 #   EXTRA="<cmd>"       any further command (EXTRA_TIMEOUT s, default 300), logged as extra.log
+#   BENCH="<args>"      python -m torch_dplr bench <args> (results under $OUT/bench)
+#     DEADLINE_S=<s>    cut the bench at this many seconds after the script started (the
+#                       device caps a call at 600 s; a cut run keeps every finished cell)
+#     BENCH_OUT=<dir>   write them there instead and copy them to $OUT/bench after: a folder
+#                       outside the checkout (e.g. /tmp/bench) survives between the calls of a
+#                       warm machine, so `--resume` continues a run split over several calls
+#   PROFILE="<args>"    tools/profile_pipeline.py <args>: per-kernel device time ($OUT/profile.*)
 #   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time
+#   SAVE_FLA_CACHE=1    what FLA tuned and compiled here (Triton autotune results, TileLang
+#                       kernels) as $OUT/fla_cache.tar.xz; pack_gpu_bundle.sh FLA_CACHE=... carries
+#                       it, so the next machine neither re-tunes nor re-JITs FLA
 set -u
 t0=$(date +%s)
 mkdir -p /tmp/site /tmp/tlc ~/.triton/cache
@@ -16,6 +24,10 @@ if [ ! -f /tmp/site/.done ]; then  # once per machine (a warm machine keeps /tmp
   xz -dc .gpu/site.tar.xz | tar -C /tmp/site -xf -
   [ -f .gpu/tlcache.tar.xz ] && xz -dc .gpu/tlcache.tar.xz | tar -C /tmp/tlc -xf -
   [ -f .gpu/fla_triton_autotune_h200.tar.xz ] && tar -C ~/.triton/cache -xJf .gpu/fla_triton_autotune_h200.tar.xz
+  if [ -f .gpu/fla_cache.tar.xz ]; then  # see SAVE_FLA_CACHE
+    mkdir -p /tmp/flacache && xz -dc .gpu/fla_cache.tar.xz | tar -C /tmp/flacache -xf -
+    cp -rn /tmp/flacache/triton/. ~/.triton/cache/ && cp -rn /tmp/flacache/tlc/. /tmp/tlc/
+  fi
   touch /tmp/site/.done
 fi
 export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
@@ -41,20 +53,39 @@ if [ -n "${SELFCHECK:-}" ]; then
   step selfcheck "$SELFCHECK" python3 -m torch_dplr --json
   grep -E "timing|self_check" "$OUT/selfcheck.log"
 fi
+if [ -n "${EXTRA:-}" ]; then  # any further command, e.g. tools/tune_knobs.py
+  step extra "${EXTRA_TIMEOUT:-300}" bash -c "$EXTRA"
+  tail -40 "$OUT/extra.log"
+fi
 if [ -n "${BENCH:-}" ]; then
+  bench_out=${BENCH_OUT:-$OUT/bench}
+  mkdir -p "$bench_out"
+  limit=${BENCH_TIMEOUT:-400}
+  if [ -n "${DEADLINE_S:-}" ]; then
+    left=$(( DEADLINE_S - ($(date +%s) - t0) )); [ "$left" -lt "$limit" ] && limit=$left
+  fi
   # shellcheck disable=SC2086
-  step bench "${BENCH_TIMEOUT:-400}" python3 -m torch_dplr bench --out "$OUT/bench" $BENCH
+  if [ "$limit" -lt 30 ]; then echo "bench skipped: $limit s left before DEADLINE_S"; else
+  step bench "$limit" python3 -m torch_dplr bench --out "$bench_out" $BENCH
+  fi
+  if [ "$bench_out" != "$OUT/bench" ]; then  # a run cut by the timeout has no report yet
+    for f in "$bench_out"/*.json; do python3 -m benchmarks.report "$f" > /dev/null 2>&1; done
+    mkdir -p "$OUT/bench" && cp "$bench_out"/* "$OUT/bench/"
+  fi
 fi
 if [ -n "${PROFILE+x}" ]; then
   # shellcheck disable=SC2086
   step profile 300 python3 tools/profile_pipeline.py --out "$OUT/profile.jsonl" $PROFILE
   grep -A12 "^==" "$OUT/profile.log"
 fi
-if [ -n "${EXTRA:-}" ]; then  # any further command, e.g. tools/tune_knobs.py
-  step extra "${EXTRA_TIMEOUT:-300}" bash -c "$EXTRA"
-  tail -40 "$OUT/extra.log"
-fi
 if [ -n "${SAVE_CACHE:-}" ]; then
   tar -C /tmp/tlc -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"; ls -la "$OUT/tlcache.tar.xz"
+fi
+if [ -n "${SAVE_FLA_CACHE:-}" ]; then  # autotune results, and cache entries made on this machine
+  rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton /tmp/flasave/tlc
+  (cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
+  (cd /tmp/tlc && find 0.1.15 -mindepth 2 -maxdepth 3 -type d -newer /tmp/site/.done \
+     \( -path '*/kernels/*' -o -path '*/cuda-binaries/*' \) -exec cp -r --parents {} /tmp/flasave/tlc/ \;)
+  tar -C /tmp/flasave -cf - . | xz -T0 -6 > "$OUT/fla_cache.tar.xz"; ls -la "$OUT/fla_cache.tar.xz"
 fi
 echo "total $(( $(date +%s) - t0 )) s"

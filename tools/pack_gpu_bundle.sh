@@ -3,7 +3,11 @@
 # carry limit): the site bundle from ../shared/device/make-bundle.sh (TileLang, FLA 0.6.0) and
 # FLA's Triton autotune cache. Kernels are compiled on the GPU host itself (16 cores, ~2 min
 # for every variant: `python -m torch_dplr precompile`); a kernel cache brought back from an
-# earlier run ($OUT/tlcache.tar.xz, see gpu_run.sh) is carried too when KERNEL_CACHE names it.
+# earlier run ($OUT/tlcache.tar.xz, see gpu_run.sh) is carried too when KERNEL_CACHE names it,
+# and FLA's tuning and TileLang kernels from one ($OUT/fla_cache.tar.xz) when FLA_CACHE does.
+# A kernel cache holding only what the benchmark envelope runs, built on this CPU machine:
+#   TILELANG_CACHE_DIR=/tmp/tlc_env python -m benchmarks.prewarm --no-fla
+#   tar -C /tmp/tlc_env -cf - . | xz -6 > /tmp/tlc_env.tar.xz   # then KERNEL_CACHE=/tmp/tlc_env.tar.xz
 # Then: device run, carry [".gpu"], `GPU_TESTS="tests/test_cuda.py" bash tools/gpu_run.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -13,4 +17,5 @@ rm -rf .gpu && mkdir -p .gpu
 ln -f .devsite/site.tar.xz .gpu/site.tar.xz
 cp .devsite/fla_triton_autotune_h200.tar.xz .gpu/
 if [ -n "${KERNEL_CACHE:-}" ]; then cp "$KERNEL_CACHE" .gpu/tlcache.tar.xz; fi
+if [ -n "${FLA_CACHE:-}" ]; then cp "$FLA_CACHE" .gpu/fla_cache.tar.xz; fi  # gpu_run.sh SAVE_FLA_CACHE
 du -sh --apparent-size .gpu/*

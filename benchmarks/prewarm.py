@@ -1,0 +1,272 @@
+"""Compile what the selected cells will run, in parallel, before the first cell is timed.
+
+On a fresh machine the harness would otherwise compile inside its one process, kernel after
+kernel: torch_dplr's TileLang kernels, FLA's Triton kernels (every autotuning candidate of a key
+missing from the shipped autotune results) and FLA's TileLang JIT (~2 min per configuration).
+Over the whole envelope that is most of a device session.  Here:
+
+- torch_dplr: the six kernels of every (chunk size, head dim, gate style) the cells use go to
+  :func:`csrc_tl.build_all` (one compiler process per core), into ``TILELANG_CACHE_DIR``.
+- FLA: one worker process per (shape, gate style, chunk size, state) calls FLA once per route
+  and mode (no-grad forward; forward+backward with and without ``disable_recompute``) on a
+  short input: the cell's B (or sequence count), H and D, T cut to ``SHORT_T`` tokens (a
+  multiple of 64, so the chunk counts keep Triton's divisible-by-16 specialization).  Same B
+  and H keep FLA's TileLang verifier deciding as for the real cell.  Workers run in parallel;
+  TileLang's disk cache takes concurrent writers (atomic renames).
+
+Triton's autotuner would tune a key that the shipped results lack on the short input, with
+other workers sharing the GPU, and cache that choice.  So each worker gets a private Triton
+cache seeded with the real cache's entries (hard links); afterwards its new compiled kernels
+are merged into the real cache and the autotune results it made are dropped.  The harness then still tunes on the real
+input (benchmarking already compiled candidates: seconds, reported as FLA's first call).
+
+    python -m benchmarks.prewarm --cells 'c32' --workers 12   # what `bench` does by default
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import cells as cells_mod
+
+SHORT_T = 1024  # tokens per row (rect) of a warm-up call; varlen: at least 64 per sequence
+WORKER_TIMEOUT_S = 480.0  # a worker past this is killed (its cell then compiles when timed)
+MAX_FLA_WORKERS = 12  # each holds a CUDA context and runs one compiler at a time
+AUTOTUNE_SUFFIX = ".autotune.json"
+
+
+def short_shape(shape: cells_mod.Shape) -> cells_mod.Shape:
+    """The cell's layout (B or N, H, D) at a length that runs in milliseconds."""
+    T = SHORT_T if shape.N is None else max(SHORT_T, 64 * shape.N)
+    return dataclasses.replace(shape, T=min(shape.T, T))
+
+
+def fla_jobs(selected) -> list[dict]:
+    """One job per (shape, gates, chunk size, state) among the timed cells (stage cells run
+    torch_dplr only)."""
+    jobs = {}
+    for cell in selected:
+        if cell.mode not in cells_mod.MODES:
+            continue
+        s = short_shape(cell.shape)
+        key = (s, cell.gates, cell.chunk_size, cell.state)
+        jobs.setdefault(key, {"B": s.B, "T": s.T, "H": s.H, "D": s.D, "N": s.N, "gates": cell.gates,
+                              "chunk_size": cell.chunk_size, "state": cell.state})
+    # Jobs of another shape with the same (gates, chunk size, head dim, state) mostly need the
+    # same kernels: start one job of each such set first, so later ones find them compiled
+    # instead of compiling them again at the same time.
+    seen, first, later = set(), [], []
+    for job in jobs.values():
+        kernels = (job["gates"], job["chunk_size"], job["D"], job["state"])
+        (later if kernels in seen else first).append(job)
+        seen.add(kernels)
+    return first + later
+
+
+def dplr_items(selected) -> list:
+    """The (factory, config) of every torch_dplr kernel the cells run (bf16 data, fp32 gates)."""
+    from torch_dplr.ops.kernels import pipeline
+    from torch_dplr.testing import RWKV7_BOUND
+
+    configs = {(c.chunk_size, c.shape.D, RWKV7_BOUND if c.gates == "rwkv7" else float("-inf"))
+               for c in selected}
+    items = {}
+    for C, D, bound in sorted(configs):
+        for name, (factory, config) in pipeline(C, D, D, torch.bfloat16, torch.float32, bound).items():
+            items[(name, json.dumps(config, sort_keys=True, default=str))] = (factory, config)
+    return list(items.values())
+
+
+def _triton_cache() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def _is_autotune_entry(entry: Path) -> bool:
+    return any(f.name.endswith(AUTOTUNE_SUFFIX) for f in entry.iterdir())
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system
+        shutil.copy2(src, dst)
+
+
+def seed_private_cache(shared: Path, private: Path) -> None:
+    """A Triton cache holding the shared cache's entries: its autotune results (the shipped
+    ones: a worker tunes only what they lack) and what is compiled already (hard links)."""
+    private.mkdir(parents=True, exist_ok=True)
+    if shared.is_dir():
+        for entry in shared.iterdir():
+            if entry.is_dir():
+                shutil.copytree(entry, private / entry.name, dirs_exist_ok=True,
+                                copy_function=_link_or_copy)
+
+
+def merge_compiled(private: Path, shared: Path) -> int:
+    """Copies the private cache's new compiled kernels (not autotune results: those made on
+    the short input must not be used for timing) into the shared cache; returns how many
+    entries were new."""
+    shared.mkdir(parents=True, exist_ok=True)
+    new = 0
+    for entry in private.iterdir():
+        target = shared / entry.name
+        if entry.is_dir() and not target.exists() and not _is_autotune_entry(entry):
+            shutil.copytree(entry, target)
+            new += 1
+    return new
+
+
+def _launch(job: dict, private: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(private), TRITON_CACHE_AUTOTUNING="1")
+    cmd = [sys.executable, "-m", "benchmarks.prewarm", "--fla-job", json.dumps(job)]
+    with log.open("w") as out:  # a file, not a pipe: a chatty worker must not block on it
+        # its own process group: a worker killed at the timeout takes its nvcc children along
+        return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _label(job: dict) -> str:
+    shape = cells_mod.Shape(job["B"], job["T"], job["H"], job["D"], job["N"])
+    return f"{shape.label}/c{job['chunk_size']}/{job['gates']}/{'state' if job['state'] else 'nostate'}"
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # so that the finally below stops the workers
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_fla_jobs(jobs: list[dict], workers: int, say, launch=None) -> None:
+    """Runs the FLA jobs, ``workers`` at a time, and merges their compiled Triton kernels.
+
+    ``launch(job, private_cache, log)`` starts a worker (default: this module's FLA worker).
+    Workers never outlive this call, even when the harness is stopped (SIGTERM, e.g. a
+    ``timeout``): a stray worker autotuning on the GPU would skew every timing after it."""
+    launch = launch or _launch
+    shared = _triton_cache()
+    try:
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    except ValueError:  # not the main thread: leave the handler alone
+        previous = None
+    running: dict[int, tuple[subprocess.Popen, Path, Path, float]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="torch_dplr_prewarm_triton_") as tmp:
+            _run_pool(jobs, workers, say, launch, shared, Path(tmp), running)
+    finally:
+        for proc, *_ in running.values():
+            _stop(proc)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_pool(jobs, workers, say, launch, shared: Path, tmp: Path, running: dict) -> None:
+    """Keeps ``workers`` jobs running until all are done; ``running`` is shared with the
+    caller, which stops whatever is left in it."""
+    pending = list(enumerate(jobs))
+    while pending or running:
+        while pending and len(running) < workers:
+            i, job = pending.pop(0)
+            private = tmp / str(i)
+            seed_private_cache(shared, private)
+            log = tmp / f"{i}.log"
+            running[i] = (launch(job, private, log), private, log, time.perf_counter())
+        time.sleep(0.5)
+        for i, (proc, private, log, start) in list(running.items()):
+            if proc.poll() is None and time.perf_counter() - start < WORKER_TIMEOUT_S:
+                continue
+            _stop(proc)  # past the timeout (a no-op when it has exited)
+            del running[i]
+            output = log.read_text(errors="replace") if log.exists() else ""
+            tail = (output.strip().splitlines() or [""])[-1][:200]
+            merged = merge_compiled(private, shared)
+            say(f"FLA {_label(jobs[i])}: exit {proc.returncode} in "
+                f"{time.perf_counter() - start:.0f} s, {merged} Triton kernels: {tail}")
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def warm_fla_job(job: dict) -> str:
+    """In a worker process: FLA's calls of one job on both routes, each mode once."""
+    from . import calls, inputs
+    from .fla_routes import FLA, ROUTES
+    from .harness import fla_kwargs
+
+    fla = FLA()
+    shape = cells_mod.Shape(job["B"], job["T"], job["H"], job["D"], job["N"])
+    inp = inputs.make(shape, job["gates"], "cuda")
+    leaves = inp.leaves()
+    entry = calls.ENTRY[job["gates"]]
+    fn = calls.in_dplr_order(entry, fla.entries[entry])
+    done = []
+    for route in ROUTES:
+        for mode, policy in (("fwd", "none"), ("fwd_bwd", "none"), ("fwd_bwd", cells_mod.SHIPPED_POLICY)):
+            cell = cells_mod.Cell(shape, job["chunk_size"], job["gates"], job["state"], mode, policy)
+            tensors = leaves if mode == "fwd_bwd" else inp
+            kwargs = fla_kwargs(cell, tensors)
+            step = calls.fwd_step(fn, tensors, kwargs) if mode == "fwd" else \
+                calls.fwd_bwd_step(fn, tensors, kwargs)
+            with fla.route(route):
+                try:
+                    step()
+                    done.append(f"{route}:{mode}:{policy}")
+                except Exception as exc:  # noqa: BLE001  (the harness records the failure)
+                    done.append(f"{route}:{mode}:{policy} failed ({type(exc).__name__})")
+    torch.cuda.synchronize()
+    return ", ".join(done)
+
+
+def prewarm(selected, fla: bool, workers: int | None = None, say=print) -> float:
+    """Compiles torch_dplr's kernels and (with ``fla``) FLA's for the cells; returns seconds."""
+    import csrc_tl
+    from csrc_tl.compile import default_workers
+
+    start = time.perf_counter()
+    workers = workers or default_workers()
+    jobs = fla_jobs(selected) if fla else []
+    # torch_dplr's compiler processes first (they finish in about a minute), FLA's workers after
+    items = dplr_items(selected)
+    try:
+        csrc_tl.build_all(items, workers=workers, load=False)
+        say(f"torch_dplr: {len(items)} kernels ready in {time.perf_counter() - start:.0f} s")
+    except RuntimeError as exc:  # the cells record what falls back; FLA still gets compiled
+        say(f"torch_dplr: some kernels failed to compile: {str(exc).splitlines()[1:3]}")
+    if jobs:
+        run_fla_jobs(jobs, min(workers, MAX_FLA_WORKERS), say)
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prewarm", description=__doc__.split("\n")[0])
+    parser.add_argument("--cells", help="regular expression on cell ids (as bench --cells)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--fla-job", help=argparse.SUPPRESS)  # a worker: one JSON job
+    args = parser.parse_args(argv)
+    if args.fla_job:
+        print(warm_fla_job(json.loads(args.fla_job)), flush=True)
+        return 0
+    selected = cells_mod.select(cells_mod.envelope(quick=args.quick), args.cells, cells_mod.MODES)
+    seconds = prewarm(selected, fla=not args.no_fla, workers=args.workers,
+                      say=lambda line: print(line, flush=True))
+    print(f"prewarm done in {seconds:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
