@@ -5,7 +5,7 @@ kernel: torch_dplr's TileLang kernels, FLA's Triton kernels (every autotuning ca
 missing from the shipped autotune results) and FLA's TileLang JIT (~2 min per configuration).
 Over the whole envelope that is most of a device session.  Here:
 
-- torch_dplr: the six kernels of every (chunk size, head dim, gate style) the cells use go to
+- torch_dplr: the kernels of every (chunk size, head dim, gate style) the cells use go to
   :func:`csrc_tl.build_all` (one compiler process per core), into ``TILELANG_CACHE_DIR``.
 - FLA: one worker process per (shape, gate style, chunk size, state) calls FLA once per route
   and mode (no-grad forward; forward+backward with and without ``disable_recompute``) on a
@@ -17,8 +17,15 @@ Over the whole envelope that is most of a device session.  Here:
 Triton's autotuner would tune a key that the shipped results lack on the short input, with
 other workers sharing the GPU, and cache that choice.  So each worker gets a private Triton
 cache seeded with the real cache's entries (hard links); afterwards its new compiled kernels
-are merged into the real cache and the autotune results it made are dropped.  The harness then still tunes on the real
-input (benchmarking already compiled candidates: seconds, reported as FLA's first call).
+are merged into the real cache and the autotune results it made are dropped.  The harness then
+still tunes on the real input (benchmarking already compiled candidates, reported as FLA's
+first call).
+
+Measured on a fresh H200 (session 5): the whole envelope's FLA jobs took about 15 minutes
+even in parallel (TileLang JIT ~200 s per config; D128 at chunk 16 autotunes 391 candidates,
+400+ s), and a job whose kernels were all cached still took 30-150 s (most likely tuning
+again in its private cache).  So prewarm once per machine and pass ``--no-prewarm`` to the
+calls that continue a run on the same (warm) machine.
 
     python -m benchmarks.prewarm --cells 'c32' --workers 12   # what `bench` does by default
 """
