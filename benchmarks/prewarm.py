@@ -239,21 +239,21 @@ def warm_fla_job(job: dict) -> str:
 
 def prewarm(selected, fla: bool, workers: int | None = None, say=print) -> float:
     """Compiles torch_dplr's kernels and (with ``fla``) FLA's for the cells; returns seconds."""
-    import csrc_tl
-    from csrc_tl.compile import default_workers
-
     start = time.perf_counter()
-    workers = workers or default_workers()
     jobs = fla_jobs(selected) if fla else []
     # torch_dplr's compiler processes first (they finish in about a minute), FLA's workers after
-    items = dplr_items(selected)
     try:
-        csrc_tl.build_all(items, workers=workers, load=False)
+        import csrc_tl
+
+        items = dplr_items(selected)
+        csrc_tl.build_all(items, workers=workers, load=False)  # None: csrc_tl's default
         say(f"torch_dplr: {len(items)} kernels ready in {time.perf_counter() - start:.0f} s")
+    except ImportError as exc:  # no TileLang here: torch_dplr's cells run its PyTorch kernels
+        say(f"torch_dplr: nothing to compile ({exc})")
     except RuntimeError as exc:  # the cells record what falls back; FLA still gets compiled
         say(f"torch_dplr: some kernels failed to compile: {str(exc).splitlines()[1:3]}")
-    if jobs:
-        run_fla_jobs(jobs, min(workers, MAX_FLA_WORKERS), say)
+    if jobs:  # as many as the CPUs this process may use, up to MAX_FLA_WORKERS
+        run_fla_jobs(jobs, min(workers or len(os.sched_getaffinity(0)), MAX_FLA_WORKERS), say)
     return time.perf_counter() - start
 
 

@@ -80,13 +80,19 @@ def _sentinels(cell: Cell, inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, tor
     return cu, inp.h0 if cell.state else none, inp.dht if cell.state else none
 
 
+def _gate_bound(cell: Cell, inp: Inputs) -> float:
+    """The declared gate bound the ops get (-inf: none), as the API passes it."""
+    bound = calls.call_kwargs(cell, inp)["lower_bound"]
+    return float("-inf") if bound is None else float(bound)
+
+
 @torch.no_grad()
 def stage_calls(cell: Cell, inp: Inputs) -> dict[str, StageCall]:
     """Runs every op of OPS once on realistic inputs; returns them ready to be timed again."""
     dplr = torch.ops.dplr
     kwargs = calls.call_kwargs(cell, inp)
     scale, C = kwargs["scale"], cell.chunk_size
-    bound = float("-inf") if kwargs["lower_bound"] is None else float(kwargs["lower_bound"])
+    bound = _gate_bound(cell, inp)
     cu, h0, dht = _sentinels(cell, inp)
     q, k, v, a, b, gk = inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk
     done = {}
@@ -119,10 +125,8 @@ def fused_kernel_runs(cell: Cell, inp: Inputs) -> bool:
         return False
     from torch_dplr.ops.fused import fused_kernel
 
-    kwargs = calls.call_kwargs(cell, inp)
-    bound = float("-inf") if kwargs["lower_bound"] is None else float(kwargs["lower_bound"])
     cu, _, _ = _sentinels(cell, inp)
-    return fused_kernel(inp.q, inp.v, inp.gk, cu, cell.chunk_size, bound) is not None
+    return fused_kernel(inp.q, inp.v, inp.gk, cu, cell.chunk_size, _gate_bound(cell, inp)) is not None
 
 
 def path_ops(path: str, fused: bool) -> tuple[str, ...]:

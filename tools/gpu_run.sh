@@ -64,9 +64,11 @@ if [ -n "${BENCH:-}" ]; then
   if [ -n "${DEADLINE_S:-}" ]; then
     left=$(( DEADLINE_S - ($(date +%s) - t0) )); [ "$left" -lt "$limit" ] && limit=$left
   fi
-  # shellcheck disable=SC2086
-  if [ "$limit" -lt 30 ]; then echo "bench skipped: $limit s left before DEADLINE_S"; else
-  step bench "$limit" python3 -m torch_dplr bench --out "$bench_out" $BENCH
+  if [ "$limit" -lt 30 ]; then
+    echo "bench skipped: $limit s left before DEADLINE_S"
+  else
+    # shellcheck disable=SC2086
+    step bench "$limit" python3 -m torch_dplr bench --out "$bench_out" $BENCH
   fi
   if [ "$bench_out" != "$OUT/bench" ]; then  # a run cut by the timeout has no report yet
     for f in "$bench_out"/*.json; do python3 -m benchmarks.report "$f" > /dev/null 2>&1; done

@@ -19,10 +19,10 @@ from torch import Tensor
 
 from .chunked import without_autocast
 from .intra import chunk_intra_fwd_reference
-from .kernels import fused_fwd_built, kernel_for
+from .kernels import kernel_for, pipeline
 from .shapes import allocate, fused_fwd_shapes
 from .state import chunk_state_fwd_reference
-from .tilelang_path import MAX_GRID_YZ, kernels_apply
+from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply
 from .varlen import as_one_sequence_list as flat
 from .varlen import kernel_tables
 from .wy import chunk_wy_fwd_reference
@@ -33,17 +33,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def fused_kernel_applies(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, chunk_size: int,
                          lower_bound: float) -> bool:
     """Whether a CUDA call runs the fused kernel rather than the staged kernels.
 
     The kernel is built for C = 64, K = V = 64, bf16/fp16 data with fp32 or data-dtype gates,
     and the centred gate scheme only (a declared lower bound that keeps its exponents in
-    range, the check ``chunk_intra_fwd`` makes).  It walks each sequence's chunks serially,
+    range, the check ``chunk_intra_fwd`` makes): where ``kernels.pipeline`` lists
+    ``"fused_fwd"`` for the call's configuration.  It walks each sequence's chunks serially,
     one CTA per (sequence, head), with no split over time: it pays only when those pairs fill
     the GPU.  With fewer pairs than SMs (a small batch, a few long sequences) most SMs would
     idle through the serial walk, while the staged intra / WY kernels run every chunk in
@@ -51,12 +48,11 @@ def fused_kernel_applies(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, c
     """
     H, K, V = q.shape[2], q.shape[-1], v.shape[-1]
     num_seqs = q.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
-    if not (gk.dtype in (torch.float32, q.dtype) and num_seqs <= MAX_GRID_YZ
-            and kernels_apply(q, chunk_size, K, V)):
+    if not (num_seqs <= MAX_GRID_YZ and kernels_apply(q, chunk_size, K, V)):
         return False
     # TileLang is importable from here on (kernels_apply checked it)
-    return (fused_fwd_built(chunk_size, K, V, q.dtype, lower_bound)
-            and num_seqs * H >= _sm_count(_device_index(q.device)))
+    return ("fused_fwd" in pipeline(chunk_size, K, V, q.dtype, gk.dtype, lower_bound)
+            and num_seqs * H >= _sm_count(device_index(q.device)))
 
 
 def fused_kernel(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, chunk_size: int,

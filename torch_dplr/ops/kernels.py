@@ -2,7 +2,7 @@
 
 :func:`pipeline` maps the static facts of a call (chunk size, head dims, dtypes, declared gate
 bound) to the kernels (factory + config) of that configuration: the six stage kernels, plus the
-fused no-grad forward where it is built (:func:`fused_fwd_built`); :func:`kernel_for` returns
+fused no-grad forward where it is built (:func:`_fused_fwd_built`); :func:`kernel_for` returns
 one of them compiled.  The first call that needs a stage kernel not yet in memory compiles
 the six stage kernels of the whole forward+backward pipeline at once, in parallel processes,
 with a progress line per kernel on stderr (``TORCH_DPLR_QUIET=1`` silences it); the fused
@@ -45,7 +45,7 @@ def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def fused_fwd_built(chunk_size: int, K: int, V: int, dtype: torch.dtype,
+def _fused_fwd_built(chunk_size: int, K: int, V: int, dtype: torch.dtype,
                     lower_bound: float) -> bool:
     """Whether ``csrc_tl.fused_fwd`` has a variant for this configuration: its chunk size and
     head dims, bf16/fp16 data, and a declared gate bound that licenses the centred scheme."""
@@ -74,7 +74,7 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
         "state_fwd": (state_fwd.state_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "state_bwd": (state_bwd.state_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
     }
-    if fused_fwd_built(C, K, V, dtype, lower_bound) and gdt in ("float32", dt):
+    if _fused_fwd_built(C, K, V, dtype, lower_bound) and gdt in ("float32", dt):
         kernels["fused_fwd"] = (_family("fused_fwd").fused_fwd_kernel,
                                 dict(C=C, K=K, V=V, dtype=dt, gate_dtype=gdt))
     return kernels

@@ -23,6 +23,13 @@ def _state_batch(q, cu_seqlens):
     return q.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
 
 
+def _output_and_final_state(q, v, cu_seqlens, state_dtype):
+    """o [B, T, H, V] in v's dtype and the final state [N, H, K, V]: every forward returns them."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return ((B, T, H, V), v.dtype), ((_state_batch(q, cu_seqlens), H, K, V), state_dtype)
+
+
 def intra_fwd_shapes(q, gk, cu_seqlens, chunk_size):
     """gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg."""
     B, T, H, K = q.shape
@@ -55,7 +62,7 @@ def state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations):
     acc = gl.dtype
     kept = keep_activations
     h = (B, gl.shape[1], H, K, V) if kept else (0,)
-    return (((B, T, H, V), v.dtype), ((_state_batch(qg, cu_seqlens), H, K, V), acc),
+    return (*_output_and_final_state(qg, v, cu_seqlens, acc),
             (h, acc), ((B, T, H, V) if kept else (0,), v.dtype))
 
 
@@ -68,16 +75,12 @@ def state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state, use_initia
 
 def recurrent_fwd_shapes(q, v, cu_seqlens):
     """o, final_state."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    return (((B, T, H, V), v.dtype), ((_state_batch(q, cu_seqlens), H, K, V), acc_dtype(q.dtype)))
+    return _output_and_final_state(q, v, cu_seqlens, acc_dtype(q.dtype))
 
 
 def fused_fwd_shapes(q, v, cu_seqlens):
     """o, final_state of the fused no-grad forward (the final state always: fixed arity)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    return (((B, T, H, V), v.dtype), ((_state_batch(q, cu_seqlens), H, K, V), acc_dtype(q.dtype)))
+    return _output_and_final_state(q, v, cu_seqlens, acc_dtype(q.dtype))
 
 
 def recurrent_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state):

@@ -22,11 +22,15 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (``cuda`` without one: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def tilelang_usable(device: torch.device) -> bool:
     if os.environ.get("TORCH_DPLR_DISABLE_TILELANG") == "1":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_ok(index)
+    return _device_ok(device_index(device))
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
