@@ -118,5 +118,30 @@ def select(cells: list[Cell], pattern: str | None, modes: Iterable[str]) -> list
     return [c for c in cells if c.mode in modes and (regex is None or regex.search(c.id))]
 
 
+def _weight(cell: Cell) -> float:
+    """Roughly how long a cell takes: its data size, twice for a backward, more for small chunks."""
+    s = cell.shape
+    return s.B * s.T * s.H * s.D * (1 if cell.mode == "fwd" else 2) * (64 / cell.chunk_size) ** 0.5
+
+
+def shard(cells: list[Cell], index: int, count: int) -> list[Cell]:
+    """The cells of shard ``index`` of ``count``: whole (shape, gate style, chunk size) units
+    (they share inputs and FLA's autotuning), dealt out longest first to the lightest shard,
+    so that ``count`` processes (one per GPU) finish at about the same time.  The shards are
+    disjoint and together hold every cell, in their original order."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard index must be in [0, {count}), got {index}")
+    units: dict[tuple, float] = {}
+    for c in cells:
+        unit = (c.shape, c.gates, c.chunk_size)
+        units[unit] = units.get(unit, 0.0) + _weight(c)
+    loads, owner = [0.0] * count, {}
+    for unit, weight in sorted(units.items(), key=lambda kv: -kv[1]):
+        lightest = loads.index(min(loads))
+        owner[unit] = lightest
+        loads[lightest] += weight
+    return [c for c in cells if owner[(c.shape, c.gates, c.chunk_size)] == index]
+
+
 def first_call_shape(shrink=False) -> Shape:
     return tiny(DESIGN) if shrink else DESIGN

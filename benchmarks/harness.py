@@ -82,8 +82,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-prewarm", action="store_true",
                    help="compile inside the timed cells' first calls instead of in parallel up front")
     p.add_argument("--first-call-timeout", type=float, default=540.0, help="seconds per subprocess")
+    p.add_argument("--shard", help="I/N: only shard I (0-based) of N of the selected cells, "
+                   "for N processes on N GPUs of one host (each with its own --name; "
+                   "concatenate the JSON files and run benchmarks.report on the result)")
     p.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
     args = p.parse_args(argv)
+    if args.shard is not None:
+        try:
+            index, count = (int(x) for x in args.shard.split("/"))
+            if not 0 <= index < count:
+                raise ValueError
+        except ValueError:
+            p.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
+        args.shard = (index, count)
     args.modes = _modes(args)
     args.policies = [x for x in args.policies.split(",") if x]
     unknown = set(args.modes) - {*cells.MODES, cells.FIRST_CALL, cells.STAGE}
@@ -131,17 +142,40 @@ def _pytorch_stages_so_far() -> list[str]:
     return sorted({op for (op, _), kernel in kernels._kernels.items() if kernel is None})
 
 
-def other_gpu_processes() -> list[int] | None:
-    """PIDs of other processes on the GPUs (None: nvidia-smi not available).  Timings taken
-    while another process computes on the GPU are not measurements of either library."""
+def _uuid_of(device) -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # noqa: BLE001  (an older torch: then every GPU counts)
+        return None
+
+
+def processes_on(smi_csv: str, uuid: str | None) -> list[int]:
+    """PIDs in ``nvidia-smi --query-compute-apps=pid,gpu_uuid`` output on the GPU ``uuid``
+    (every GPU when None), this process left out."""
+    def same(gpu: str) -> bool:
+        return uuid is None or gpu.strip().lower().removeprefix("gpu-") == uuid.lower().removeprefix("gpu-")
+
+    pids = []
+    for line in smi_csv.splitlines():
+        pid, _, gpu = line.partition(",")
+        if pid.strip().isdigit() and int(pid) != os.getpid() and same(gpu):
+            pids.append(int(pid))
+    return pids
+
+
+def other_gpu_processes(device) -> list[int] | None:
+    """PIDs of other processes on this run's GPU (None: nvidia-smi not available).  Timings
+    taken while another process computes on the same GPU are not measurements of either
+    library; one on another GPU of the host (e.g. the other shard, see ``--shard``) does not
+    count."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
         return None
-    return [int(p) for p in out.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+    return processes_on(out.stdout, _uuid_of(device))
 
 
 def run_meta(device, fla) -> dict:
@@ -333,6 +367,7 @@ def measure_first_call(shape, device, timeout, meta) -> dict:
             record.update({f"{phase}_s": result["fwd_bwd_s"], f"{phase}_fwd_s": result["fwd_s"],
                            f"{phase}_new_layout_s": result["new_layout_s"],
                            f"{phase}_import_s": result["import_s"],
+                           f"{phase}_dynamo_import_s": result.get("dynamo_import_s"),
                            f"{phase}_kernels_s": result.get("kernels_s")})
     return record
 
@@ -385,9 +420,15 @@ def main(argv=None) -> int:
     shrink = args.tiny or device.type != "cuda"
     selected = cells.select(cells.envelope(args.policies, args.quick, shrink, stages=True),
                             args.cells, args.modes)
+    if args.shard is not None:
+        selected = cells.shard(selected, *args.shard)
     first_shape = cells.first_call_shape(shrink)
     first_call = cells.FIRST_CALL in args.modes and (
         not args.cells or re.search(args.cells, first_call_cell_id(first_shape)))
+    if first_call and args.shard is not None:  # its cold compile wants the host to itself
+        print("--shard: the first_call cell is left out (run it alone: --modes first_call)",
+              file=sys.stderr)
+        first_call = False
     if args.list:
         print("\n".join([c.id for c in selected] + ([first_call_cell_id(first_shape)] if first_call else [])))
         return 0
@@ -409,7 +450,7 @@ def main(argv=None) -> int:
                                   say=lambda line: print(f"prewarm: {line}", file=sys.stderr, flush=True))
         print(f"prewarm: {seconds:.0f} s", file=sys.stderr, flush=True)
     if device.type == "cuda":
-        others = other_gpu_processes()
+        others = other_gpu_processes(device)
         meta["other_gpu_processes"] = others
         if others:
             print(f"WARNING: other processes use the GPU ({others}); the times are not clean",

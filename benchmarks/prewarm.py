@@ -7,12 +7,17 @@ Over the whole envelope that is most of a device session.  Here:
 
 - torch_dplr: the kernels of every (chunk size, head dim, gate style) the cells use go to
   :func:`csrc_tl.build_all` (one compiler process per core), into ``TILELANG_CACHE_DIR``.
-- FLA: one worker process per (shape, gate style, chunk size, state) calls FLA once per route
-  and mode (no-grad forward; forward+backward with and without ``disable_recompute``) on a
-  short input: the cell's B (or sequence count), H and D, T cut to ``SHORT_T`` tokens (a
-  multiple of 64, so the chunk counts keep Triton's divisible-by-16 specialization).  Same B
-  and H keep FLA's TileLang verifier deciding as for the real cell.  Workers run in parallel;
-  TileLang's disk cache takes concurrent writers (atomic renames).
+- FLA: one worker process per set of FLA kernels the cells run, that is per (gate style, chunk
+  size, head dim, heads, state, varlen or not); FLA's kernels are specialized on none of B, T
+  or the sequence lengths (Triton's autotune keys are block sizes and dtypes, its TileLang
+  kernels take the token count as a dynamic size).  A worker calls FLA once per route and mode
+  (no-grad forward; forward+backward with and without ``disable_recompute``) on a short input
+  of the set's first shape: its B (or sequence count), H and D, T cut to ``SHORT_T`` tokens (a
+  multiple of 64, so the chunk counts keep Triton's divisible-by-16 specialization).  That
+  first shape is the one FLA's TileLang verifier accepts most often (the largest grid comes
+  first in the envelope), so its kernels cover the set.  The longest jobs (head dim 128,
+  chunk 16: hundreds of autotune candidates) start first.  Workers run in parallel, spread
+  over the visible GPUs; TileLang's disk cache takes concurrent writers (atomic renames).
 
 Triton's autotuner would tune a key that the shipped results lack on the short input, with
 other workers sharing the GPU, and cache that choice.  So each worker gets a private Triton
@@ -21,9 +26,9 @@ are merged into the real cache and the autotune results it made are dropped.  Th
 still tunes on the real input (benchmarking already compiled candidates, reported as FLA's
 first call).
 
-Measured on a fresh H200 (session 5): the whole envelope's FLA jobs took about 15 minutes
-even in parallel (TileLang JIT ~200 s per config; D128 at chunk 16 autotunes 391 candidates,
-400+ s), and a job whose kernels were all cached still took 30-150 s (most likely tuning
+Measured on a fresh H200 (session 5, one job per shape then): the envelope's FLA jobs took
+about 15 minutes even in parallel (TileLang JIT ~200 s per config; D128 at chunk 16 autotunes
+391 candidates, 400+ s), and a job whose kernels were all cached still took 30-150 s (tuning
 again in its private cache).  So prewarm once per machine and pass ``--no-prewarm`` to the
 calls that continue a run on the same (warm) machine.
 
@@ -48,8 +53,8 @@ import torch
 from . import cells as cells_mod
 
 SHORT_T = 1024  # tokens per row (rect) of a warm-up call; varlen: at least 64 per sequence
-WORKER_TIMEOUT_S = 480.0  # a worker past this is killed (its cell then compiles when timed)
-MAX_FLA_WORKERS = 12  # each holds a CUDA context and runs one compiler at a time
+WORKER_TIMEOUT_S = 600.0  # a worker past this is killed (its cell then compiles when timed)
+FLA_WORKERS_PER_GPU = 12  # each holds a CUDA context and runs one compiler at a time
 AUTOTUNE_SUFFIX = ".autotune.json"
 
 
@@ -59,26 +64,36 @@ def short_shape(shape: cells_mod.Shape) -> cells_mod.Shape:
     return dataclasses.replace(shape, T=min(shape.T, T))
 
 
+def fla_kernel_set(shape: cells_mod.Shape, gates: str, chunk_size: int, state: bool) -> tuple:
+    """What decides which FLA kernels a cell compiles (and which autotune keys it tunes)."""
+    return (gates, chunk_size, shape.D, shape.H, state, shape.N is not None)
+
+
+def _expected_cost(job: dict) -> tuple:
+    # head dim 128 and small chunks have the most autotune candidates; the state adds kernels
+    return (-job["D"], job["chunk_size"], not job["state"])
+
+
 def fla_jobs(selected) -> list[dict]:
-    """One job per (shape, gates, chunk size, state) among the timed cells (stage cells run
-    torch_dplr only)."""
+    """One job per FLA kernel set among the timed cells (stage cells run torch_dplr only), on
+    the set's first shape, the longest jobs first."""
     jobs = {}
     for cell in selected:
         if cell.mode not in cells_mod.MODES:
             continue
         s = short_shape(cell.shape)
-        key = (s, cell.gates, cell.chunk_size, cell.state)
+        key = fla_kernel_set(cell.shape, cell.gates, cell.chunk_size, cell.state)
         jobs.setdefault(key, {"B": s.B, "T": s.T, "H": s.H, "D": s.D, "N": s.N, "gates": cell.gates,
                               "chunk_size": cell.chunk_size, "state": cell.state})
-    # Jobs of another shape with the same (gates, chunk size, head dim, state) mostly need the
-    # same kernels: start one job of each such set first, so later ones find them compiled
-    # instead of compiling them again at the same time.
-    seen, first, later = set(), [], []
-    for job in jobs.values():
-        kernels = (job["gates"], job["chunk_size"], job["D"], job["state"])
-        (later if kernels in seen else first).append(job)
-        seen.add(kernels)
-    return first + later
+    return sorted(jobs.values(), key=_expected_cost)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [g.strip() for g in given.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def dplr_items(selected) -> list:
@@ -137,6 +152,8 @@ def merge_compiled(private: Path, shared: Path) -> int:
 
 def _launch(job: dict, private: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, TRITON_CACHE_DIR=str(private), TRITON_CACHE_AUTOTUNING="1")
+    if job.get("gpu") is not None:  # spread over the GPUs (see _run_pool)
+        env["CUDA_VISIBLE_DEVICES"] = job["gpu"]
     cmd = [sys.executable, "-m", "benchmarks.prewarm", "--fla-job", json.dumps(job)]
     with log.open("w") as out:  # a file, not a pipe: a chatty worker must not block on it
         # its own process group: a worker killed at the timeout takes its nvcc children along
@@ -159,10 +176,12 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_fla_jobs(jobs: list[dict], workers: int, say, launch=None) -> None:
+def run_fla_jobs(jobs: list[dict], workers: int, say, launch=None, gpus=()) -> None:
     """Runs the FLA jobs, ``workers`` at a time, and merges their compiled Triton kernels.
 
-    ``launch(job, private_cache, log)`` starts a worker (default: this module's FLA worker).
+    ``launch(job, private_cache, log)`` starts a worker (default: this module's FLA worker);
+    with several ``gpus`` (``CUDA_VISIBLE_DEVICES`` entries) job i gets ``job["gpu"]``, the
+    GPUs in turn, so the workers' autotuning is spread over them.
     Workers never outlive this call, even when the harness is stopped (SIGTERM, e.g. a
     ``timeout``): a stray worker autotuning on the GPU would skew every timing after it."""
     launch = launch or _launch
@@ -174,6 +193,8 @@ def run_fla_jobs(jobs: list[dict], workers: int, say, launch=None) -> None:
     running: dict[int, tuple[subprocess.Popen, Path, Path, float]] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="torch_dplr_prewarm_triton_") as tmp:
+            if len(gpus) > 1:
+                jobs = [dict(job, gpu=gpus[i % len(gpus)]) for i, job in enumerate(jobs)]
             _run_pool(jobs, workers, say, launch, shared, Path(tmp), running)
     finally:
         for proc, *_ in running.values():
@@ -252,8 +273,10 @@ def prewarm(selected, fla: bool, workers: int | None = None, say=print) -> float
         say(f"torch_dplr: nothing to compile ({exc})")
     except RuntimeError as exc:  # the cells record what falls back; FLA still gets compiled
         say(f"torch_dplr: some kernels failed to compile: {str(exc).splitlines()[1:3]}")
-    if jobs:  # as many as the CPUs this process may use, up to MAX_FLA_WORKERS
-        run_fla_jobs(jobs, min(workers or len(os.sched_getaffinity(0)), MAX_FLA_WORKERS), say)
+    if jobs:  # as many as the CPUs this process may use, up to FLA_WORKERS_PER_GPU per GPU
+        gpus = visible_gpus()
+        limit = FLA_WORKERS_PER_GPU * max(1, len(gpus))
+        run_fla_jobs(jobs, min(workers or len(os.sched_getaffinity(0)), limit), say, gpus=gpus)
     return time.perf_counter() - start
 
 

@@ -219,14 +219,22 @@ def markdown(records) -> str:
     first = [r for r in records if r.get("mode") == "first_call"]
     if first:
         lines += ["", "## First call (fresh process; forward+backward, all kernels included)", "",
-                  "| shape | cold cache s | warm cache s | no-grad forward after it, cold / warm s "
-                  "| new B, T and varlen layout, cold / warm s |", "|---|---|---|---|---|"]
+                  "| shape | cold cache s | warm cache s | of which kernels, cold / warm s "
+                  "| no-grad forward after it, cold / warm s "
+                  "| new B, T and varlen layout, cold / warm s |", "|---|---|---|---|---|---|"]
         for r in first:
             lines.append(f"| {_shape(r)} chunk {r['chunk_size']} | {_num(r.get('cold_s'), '{:.2f}')} "
                          f"| {_num(r.get('warm_s'), '{:.2f}')} "
+                         f"| {_num(r.get('cold_kernels_s'), '{:.2f}')} / {_num(r.get('warm_kernels_s'), '{:.2f}')} "
                          f"| {_num(r.get('cold_fwd_s'), '{:.2f}')} / {_num(r.get('warm_fwd_s'), '{:.2f}')} "
                          f"| {_num(r.get('cold_new_layout_s'), '{:.2f}')} / "
                          f"{_num(r.get('warm_new_layout_s'), '{:.2f}')} |")
+        dynamo = [r.get("warm_dynamo_import_s") for r in first if r.get("warm_dynamo_import_s") is not None]
+        if dynamo:
+            lines += ["", f"The first call is timed with `torch._dynamo` imported (as in any process "
+                      f"that uses `torch.compile`). An eager process imports it inside the first call "
+                      f"of any `torch.library.custom_op`, PyTorch's cost: {max(dynamo):.2f} s more here "
+                      f"(warm run)."]
     lines += stage_sections(records)
     failed = [r for r in records if _errors(r)]
     if failed:

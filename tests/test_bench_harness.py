@@ -4,6 +4,8 @@ import json
 import os
 import random
 
+import pytest
+
 import torch
 
 from benchmarks import cells, first_call, harness, inputs, report, stages
@@ -112,7 +114,8 @@ def test_first_call_record(monkeypatch):
 
 def test_first_call_measure_on_cpu():
     result = first_call.measure(cells.Shape(1, 32, 1, 16), 16, "rwkv7", "cpu")
-    assert set(result) == {"import_s", "fwd_bwd_s", "kernels_s", "fwd_s", "new_layout_s"}
+    assert set(result) == {"import_s", "dynamo_import_s", "fwd_bwd_s", "kernels_s", "fwd_s",
+                           "new_layout_s"}
     assert result["kernels_s"] <= result["fwd_bwd_s"]  # a part of the first call
     assert all(v >= 0 for v in result.values())
 
@@ -249,9 +252,17 @@ def test_prewarm_jobs_keep_each_layout_short():
 
     envelope = cells.envelope()
     jobs = prewarm.fla_jobs(envelope)
-    # one FLA job per (shape, gate style, chunk size, state); stage cells add none
-    assert len(jobs) == 6 * 5 * 2
+    # one FLA job per kernel set (gate style, chunk size, head dim, heads, state, varlen): the
+    # long shape shares the design shape's set and the two varlen layouts share one; stage
+    # cells add none
+    assert len(jobs) == 4 * 5 * 2
     assert prewarm.fla_jobs(cells.envelope(stages=True)) == jobs
+    sets = {prewarm.fla_kernel_set(c.shape, c.gates, c.chunk_size, c.state) for c in envelope}
+    assert {prewarm.fla_kernel_set(cells.Shape(j["B"], j["T"], j["H"], j["D"], j["N"]), j["gates"],
+                                   j["chunk_size"], j["state"]) for j in jobs} == sets
+    assert (jobs[0]["D"], jobs[0]["chunk_size"]) == (128, 16)  # the longest job starts first
+    design = [j for j in jobs if (j["D"], j["H"], j["N"]) == (64, 32, None)]
+    assert {j["B"] for j in design} == {cells.DESIGN.B}  # the larger grid stands for the set
     for job in jobs:
         full = next(c.shape for c in envelope if (c.shape.B, c.shape.H, c.shape.D, c.shape.N)
                     == (job["B"], job["H"], job["D"], job["N"]))
@@ -307,8 +318,16 @@ def test_prewarm_worker_pool_runs_every_job_and_kills_a_hung_one(tmp_path, monke
 
     jobs = [{"id": i, "B": 1, "T": 64, "H": 1, "D": 64, "N": None, "gates": "rwkv7",
              "chunk_size": 16, "state": False} for i in range(4)]
-    prewarm.run_fla_jobs(jobs, workers=2, say=lines.append, launch=launch)
+    gpus = {}
+    real_launch = launch
+
+    def launch(job, private, log):  # noqa: F811  (records the GPU each job was given)
+        gpus[job["id"]] = job.get("gpu")
+        return real_launch(job, private, log)
+
+    prewarm.run_fla_jobs(jobs, workers=2, say=lines.append, launch=launch, gpus=["0", "1"])
     assert sorted(started) == [0, 1, 2, 3] and len(lines) == 4
+    assert gpus == {0: "0", 1: "1", 2: "0", 3: "1"}  # the GPUs in turn
     assert sorted(p.name for p in (tmp_path / "triton").iterdir()) == [f"kernel{i}" for i in range(4)]
     assert any("job 3" in line for line in lines) and any("exit -9" in line for line in lines)
 
@@ -338,3 +357,39 @@ def test_prewarm_stops_its_workers_when_interrupted(tmp_path, monkeypatch):
     except KeyboardInterrupt:
         pass
     assert len(procs) == 3 and all(p.poll() is not None for p in procs)  # none left running
+
+
+def test_shards_split_the_envelope_into_balanced_disjoint_parts():
+    envelope = cells.envelope(stages=True)
+    parts = [cells.shard(envelope, i, 2) for i in range(2)]
+    ids = [[c.id for c in part] for part in parts]
+    assert not set(ids[0]) & set(ids[1])
+    assert sorted(ids[0] + ids[1]) == sorted(c.id for c in envelope)
+    for part in parts:  # original order kept, units whole
+        assert [c.id for c in envelope if c in part] == [c.id for c in part]
+    units = [{(c.shape, c.gates, c.chunk_size) for c in part} for part in parts]
+    assert not units[0] & units[1]
+    loads = [sum(cells._weight(c) for c in part) for part in parts]
+    assert max(loads) < 1.25 * min(loads)
+    with pytest.raises(ValueError, match="shard index"):
+        cells.shard(envelope, 2, 2)
+
+
+def test_harness_shard_option(tmp_path, capsys):
+    argv = ["--device", "cpu", "--list", "--modes", "fwd,first_call"]
+    assert harness.main(argv) == 0
+    every = capsys.readouterr().out.split()
+    parts = []
+    for i in range(2):
+        assert harness.main(argv + ["--shard", f"{i}/2"]) == 0
+        parts.append(capsys.readouterr().out.split())
+    assert sorted(parts[0] + parts[1]) == sorted(c for c in every if not c.startswith("first_call"))
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--shard", "2/2"])
+
+
+def test_other_gpu_processes_counts_only_this_gpu():
+    smi = "101, GPU-aaaa-1111\n202, GPU-bbbb-2222\n303, GPU-AAAA-1111\n"
+    assert harness.processes_on(smi, "aaaa-1111") == [101, 303]
+    assert harness.processes_on(smi, None) == [101, 202, 303]
+    assert harness.processes_on("", "aaaa-1111") == []

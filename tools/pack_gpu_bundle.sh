@@ -8,7 +8,8 @@
 # A kernel cache holding only what the benchmark envelope runs, built on this CPU machine:
 #   TILELANG_CACHE_DIR=/tmp/tlc_env python -m benchmarks.prewarm --no-fla
 #   tar -C /tmp/tlc_env -cf - . | xz -6 > /tmp/tlc_env.tar.xz   # then KERNEL_CACHE=/tmp/tlc_env.tar.xz
-# Then: device run, carry [".gpu"], `GPU_TESTS="tests/test_cuda.py" bash tools/gpu_run.sh`.
+# Then: device run, carry [".gpu"], `GPU_TESTS="tests/test_cuda.py" bash tools/gpu_run.sh`, or the
+# whole benchmark envelope over several calls of a warm machine: `bash tools/envelope_run.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .devsite/site.tar.xz ] || ../shared/device/make-bundle.sh

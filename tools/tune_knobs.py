@@ -5,7 +5,7 @@ For each candidate ``op:knob=value[,knob=value]`` the dispatch's kernel configur
 the benchmark's stage calls and timer (same inputs, L2 flushed) next to the default; its
 outputs are compared with the default's. One JSON line per candidate. Not a test.
 
-    python tools/tune_knobs.py intra_fwd:threads=256 wy_fwd:late_data=1 [--T 4096 --D 64 ...]
+    python tools/tune_knobs.py intra_fwd:threads=256 fused_fwd:trim_chain=true [--T 4096 --D 64 ...]
 """
 from __future__ import annotations
 
@@ -16,15 +16,21 @@ import torch
 
 from benchmarks.cells import Cell, Shape
 from benchmarks.inputs import make
-from benchmarks.stages import stage_calls
+from benchmarks.stages import FUSED, stage_calls
 from benchmarks.timing import Timer
 from torch_dplr.ops import kernels
+
+
+def _value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def parse(candidate: str) -> tuple[str, dict]:
     op, _, knobs = candidate.partition(":")
     values = dict(kv.split("=") for kv in knobs.split(",") if kv)
-    return op, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in values.items()}
+    return op, {k: _value(v) for k, v in values.items()}
 
 
 def with_knobs(op: str, knobs: dict):
@@ -39,9 +45,13 @@ def with_knobs(op: str, knobs: dict):
     return default, patched
 
 
+STAGE_CALL = {"fused_fwd": FUSED}  # kernel name -> stage call name, where they differ
+
+
 def run_op(cell, inp, op):
     calls = stage_calls(cell, inp)
-    return calls[f"chunk_{op}"] if f"chunk_{op}" in calls else calls[f"chunk_{op}:keep"]
+    name = STAGE_CALL.get(op, f"chunk_{op}")
+    return calls[name] if name in calls else calls[f"{name}:keep"]
 
 
 def main():

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The whole benchmark envelope (issue 4) on a GPU host, over several device calls of one warm
+# machine: each call runs `bash tools/envelope_run.sh` from the checkout root (carry [".gpu"],
+# see pack_gpu_bundle.sh) and picks up where the last call stopped.  The work outlives a call
+# (setsid), so the device's 10-minute limit per call cuts nothing; issue the next call at once
+# (a machine idle for 30 s goes back, and /tmp with it).
+#   1. first_call alone (cold then warm cache; nothing else runs on the host meanwhile)
+#   2. in the background: the prewarm (benchmarks.prewarm: FLA's kernels and autotuning
+#      candidates, spread over every GPU) and, with TESTS="files", pytest on the last GPU.
+#      SIDE="cmd" runs cmd on GPU 0 meanwhile (e.g. tools/tune_knobs.py) and keeps the prewarm
+#      off GPU 0 (on a host of several GPUs), so that its timings have that GPU to themselves
+#   3. when all of them are done: one harness process per GPU (--shard i/n, --no-prewarm),
+#      each timing its share of the cells on its own GPU
+#   4. when every shard is done: the shards' JSON lines concatenated into h200.json, and the
+#      report (h200.md, h200.png) in $OUT
+# Each call waits until the envelope is done or CALL_S seconds (default 540) have passed, then
+# leaves the state folder (logs, partial JSON) in $OUT/envelope.tgz.
+set -u
+t0=$(date +%s)
+source tools/gpu_setup.sh
+W=/tmp/envelope
+BENCH=$W/bench
+mkdir -p "$BENCH"
+NGPU=$(nvidia-smi -L | wc -l)
+CALL_S=${CALL_S:-540}
+
+background() {  # background NAME CMD...: run detached from this call; NAME.done when it ends
+  local name=$1; shift
+  setsid nohup bash -c '"$@" > "'"$W/$name.log"'" 2>&1; echo $? > "'"$W/$name.done"'"' _ "$@" \
+    < /dev/null > /dev/null 2>&1 &
+  touch "$W/$name.started"
+  echo "started $name: $*"
+}
+
+if [ ! -f "$W/first_call.done" ]; then
+  s=$(date +%s)
+  timeout 400 python3 -m torch_dplr bench --modes first_call --no-fla --out "$BENCH" \
+    --name first-call > "$W/first_call.log" 2>&1
+  echo $? > "$W/first_call.done"
+  echo "first_call rc=$(cat "$W/first_call.done") $(( $(date +%s) - s )) s: $(tail -4 "$W/first_call.log" | head -1)"
+fi
+if [ ! -f "$W/prewarm.started" ]; then
+  if [ -n "${SIDE:-}" ]; then
+    if [ "$NGPU" -gt 1 ]; then
+      CUDA_VISIBLE_DEVICES=$(seq -s, 1 $((NGPU - 1))) background prewarm timeout 1500 python3 -m benchmarks.prewarm
+    else
+      background prewarm timeout 1500 python3 -m benchmarks.prewarm
+    fi
+    CUDA_VISIBLE_DEVICES=0 background side timeout 900 bash -c "$SIDE"
+  else
+    background prewarm timeout 1500 python3 -m benchmarks.prewarm
+  fi
+  if [ -n "${TESTS:-}" ]; then
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$((NGPU - 1)) background tests timeout 900 \
+      python3 -m pytest $TESTS -q -p no:cacheprovider -rfE
+  fi
+fi
+
+finished() {  # a background job that was never started counts as finished
+  [ ! -f "$W/$1.started" ] || [ -f "$W/$1.done" ]
+}
+shards_done() {
+  for i in $(seq 0 $((NGPU - 1))); do [ -f "$W/shard$i.done" ] || return 1; done
+}
+last_report=0
+while true; do
+  now=$(date +%s)
+  if [ ! -f "$W/shard0.started" ] && finished prewarm && finished tests && finished side; then
+    for job in prewarm tests side; do
+      [ -f "$W/$job.done" ] && echo "$job rc=$(cat "$W/$job.done"): $(tail -1 "$W/$job.log")"
+    done
+    for i in $(seq 0 $((NGPU - 1))); do
+      shard=(); [ "$NGPU" -gt 1 ] && shard=(--shard "$i/$NGPU")
+      CUDA_VISIBLE_DEVICES=$i background "shard$i" timeout 3000 python3 -m torch_dplr bench \
+        --no-prewarm --resume --modes fwd,fwd_bwd,stage "${shard[@]}" --name "shard$i" --out "$BENCH"
+    done
+  fi
+  if shards_done; then
+    cat "$BENCH"/shard*.json "$BENCH/first-call.json" > "$BENCH/h200.json"
+    python3 -m benchmarks.report "$BENCH/h200.json" > "$W/report.log" 2>&1
+    cp "$BENCH"/h200.json "$BENCH"/h200.md "$BENCH"/h200.png "$OUT"/ 2>/dev/null
+    echo "envelope done: $(wc -l < "$BENCH/h200.json") records"
+    break
+  fi
+  if [ $((now - t0)) -ge "$CALL_S" ]; then echo "call time up; run this script again"; break; fi
+  if [ $((now - last_report)) -ge 60 ]; then
+    last_report=$now
+    echo "[$((now - t0)) s] prewarm: $(tail -1 "$W/prewarm.log" 2>/dev/null | cut -c1-150)"
+    for f in "$BENCH"/shard*.json; do [ -f "$f" ] && echo "  $(basename "$f"): $(wc -l < "$f") records"; done
+  fi
+  sleep 5
+done
+tar czf "$OUT/envelope.tgz" -C "$W" .
+echo "total $(( $(date +%s) - t0 )) s"

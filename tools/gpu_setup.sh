@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sourced by tools/gpu_run.sh and tools/envelope_run.sh on the GPU machine, from the checkout
+# root (carry [".gpu"], see pack_gpu_bundle.sh): unpacks the site bundle and the carried caches
+# once per machine (a warm machine keeps /tmp), exports the environment every step needs, and
+# sets t0 (the script's start) for the timings.
+t0=${t0:-$(date +%s)}
+mkdir -p /tmp/site /tmp/tlc ~/.triton/cache
+if [ ! -f /tmp/site/.done ]; then  # once per machine (a warm machine keeps /tmp)
+  xz -dc .gpu/site.tar.xz | tar -C /tmp/site -xf -
+  [ -f .gpu/tlcache.tar.xz ] && xz -dc .gpu/tlcache.tar.xz | tar -C /tmp/tlc -xf -
+  [ -f .gpu/fla_triton_autotune_h200.tar.xz ] && tar -C ~/.triton/cache -xJf .gpu/fla_triton_autotune_h200.tar.xz
+  if [ -f .gpu/fla_cache.tar.xz ]; then  # see SAVE_FLA_CACHE
+    mkdir -p /tmp/flacache && xz -dc .gpu/fla_cache.tar.xz | tar -C /tmp/flacache -xf -
+    cp -rn /tmp/flacache/triton/. ~/.triton/cache/ && cp -rn /tmp/flacache/tlc/. /tmp/tlc/
+  fi
+  touch /tmp/site/.done
+fi
+export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+echo "setup $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, tilelang; print(torch.__version__, tilelang.__version__, torch.cuda.get_device_capability())"
