@@ -15,8 +15,8 @@ Over the whole envelope that is most of a device session.  Here:
   of the set's first shape: its B (or sequence count), H and D, T cut to ``SHORT_T`` tokens (a
   multiple of 64, so the chunk counts keep Triton's divisible-by-16 specialization).  That
   first shape is the one FLA's TileLang verifier accepts most often (the largest grid comes
-  first in the envelope), so its kernels cover the set.  The longest jobs (head dim 128,
-  chunk 16: hundreds of autotune candidates) start first.  Workers run in parallel, spread
+  first in the envelope), so its kernels cover the set.  The longest jobs (varlen, and head
+  dim 128 at chunk 16: hundreds of autotune candidates each) start first.  Workers run in parallel, spread
   over the visible GPUs; TileLang's disk cache takes concurrent writers (atomic renames).
 
 Triton's autotuner would tune a key that the shipped results lack on the short input, with
@@ -29,7 +29,8 @@ first call).
 Measured on a fresh H200 (session 5, one job per shape then): the envelope's FLA jobs took
 about 15 minutes even in parallel (TileLang JIT ~200 s per config; D128 at chunk 16 autotunes
 391 candidates, 400+ s), and a job whose kernels were all cached still took 30-150 s (tuning
-again in its private cache).  So prewarm once per machine and pass ``--no-prewarm`` to the
+again in its private cache).  Session 6 (40 jobs, 12 workers on one GPU, 32 CPU cores): 976 s,
+the varlen jobs the longest.  So prewarm once per machine and pass ``--no-prewarm`` to the
 calls that continue a run on the same (warm) machine.
 
     python -m benchmarks.prewarm --cells 'c32' --workers 12   # what `bench` does by default
@@ -70,8 +71,10 @@ def fla_kernel_set(shape: cells_mod.Shape, gates: str, chunk_size: int, state: b
 
 
 def _expected_cost(job: dict) -> tuple:
-    # head dim 128 and small chunks have the most autotune candidates; the state adds kernels
-    return (-job["D"], job["chunk_size"], not job["state"])
+    # Measured on the H200 (session 6): varlen jobs (their own autotune keys, 250-450 candidates
+    # each) took 300-540 s and head dim 128 at chunk 16 420-490 s; the rest 40-250 s.
+    heavy = (job["N"] is not None) + (job["D"] == 128 and job["chunk_size"] == 16)
+    return (-heavy, job["chunk_size"], not job["state"])
 
 
 def fla_jobs(selected) -> list[dict]:

@@ -1,6 +1,7 @@
 """JSON lines of a benchmark run -> a markdown table and a PNG plot of the ratios.
 
     python -m benchmarks.report benchmarks/results/h200.json      # writes h200.md, h200.png
+    python -m benchmarks.report h200.json --merge shard0.json shard1.json   # shards first
 
 ``ratio`` is the faster FLA route's time over torch_dplr's (above 1: torch_dplr is faster).
 When the run has ``stage`` records (:mod:`benchmarks.stages`), a "Where the time goes" table per
@@ -37,6 +38,35 @@ def load(path) -> list[dict]:
             record = json.loads(line)
             latest[record.get("cell") or json.dumps(record, sort_keys=True)] = record
     return list(latest.values())
+
+
+_MODE_ORDER = ("fwd", "fwd_bwd", "stage", "stage_sum", "first_call")
+
+
+def _envelope_position(record: dict) -> tuple:
+    """Where a record's cell sits in the envelope's order (shape, gates, chunk size, state,
+    mode, policy); records of unknown shapes or modes go last, in their order."""
+    from . import cells
+
+    shapes = [(s.B, s.T, s.H, s.D, s.N) for s in cells.SHAPES]
+    shape = tuple(record.get(k) for k in ("B", "T", "H", "D", "N"))
+    mode = record.get("mode")
+    return (record.get("mode") == "first_call",
+            shapes.index(shape) if shape in shapes else len(shapes),
+            list(cells.GATE_CHUNKS).index(record["gates"]) if record.get("gates") in cells.GATE_CHUNKS else 9,
+            record.get("chunk_size") or 0, bool(record.get("state")),
+            _MODE_ORDER.index(mode) if mode in _MODE_ORDER else len(_MODE_ORDER),
+            record.get("policy") not in (None, "none"))
+
+
+def merge(parts, out) -> int:
+    """The JSON lines of ``parts`` (e.g. the shards of ``bench --shard``) in one file ``out``,
+    in the envelope's order; returns the number of records."""
+    records = [json.loads(line) for part in parts
+               for line in Path(part).read_text().splitlines() if line.strip()]
+    records.sort(key=_envelope_position)  # stable: a cell's stage records keep their order
+    Path(out).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return len(records)
 
 
 def _num(x, fmt="{:.3f}"):
@@ -208,9 +238,28 @@ def stage_sections(records) -> list[str]:
     return lines
 
 
+def coverage(records) -> list[str]:
+    """How many of the envelope's timed cells the run holds, and which (shape, chunk size)
+    groups it lacks."""
+    from . import cells
+
+    have = {r.get("cell") for r in records}
+    envelope = [c for c in cells.envelope() if c.mode in cells.MODES]
+    missing: dict[str, int] = {}
+    for c in envelope:
+        if c.id not in have:
+            group = f"{c.shape.label} chunk {c.chunk_size}"
+            missing[group] = missing.get(group, 0) + 1
+    line = f"Cells measured: {len(envelope) - sum(missing.values())} of the envelope's {len(envelope)}."
+    if missing:
+        line += " Not measured: " + "; ".join(f"{g} ({n})" for g, n in missing.items()) + "."
+    return ["", line]
+
+
 def markdown(records) -> str:
     policy = shipped_policy(records)
-    lines = _preamble(records) + ["", "## Targets", "", "| target | measured | holds |", "|---|---|---|"]
+    lines = _preamble(records) + coverage(records)
+    lines += ["", "## Targets", "", "| target | measured | holds |", "|---|---|---|"]
     lines += [f"| {t} | {m} | {_verdict(ok)} |" for t, m, ok in target_rows(records)]
     for title, mode, pol in SECTIONS:
         rows = section_rows(records, mode, pol or policy)
@@ -306,7 +355,12 @@ def main(argv=None) -> int:
     parser.add_argument("jsonl", help="JSON lines written by the harness (e.g. benchmarks/results/h200.json)")
     parser.add_argument("--md", help="markdown output (default: beside the input, .md)")
     parser.add_argument("--png", help="plot output (default: beside the input, .png)")
+    parser.add_argument("--merge", nargs="+", metavar="PART",
+                        help="first write JSONL as these files' records in the envelope's order "
+                             "(the shards of bench --shard)")
     args = parser.parse_args(argv)
+    if args.merge:
+        print(f"merged {merge(args.merge, args.jsonl)} records into {args.jsonl}")
     for kind, path in write_report(args.jsonl, args.md, args.png).items():
         print(f"{kind}: {path}")
     return 0

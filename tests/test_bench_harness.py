@@ -260,7 +260,8 @@ def test_prewarm_jobs_keep_each_layout_short():
     sets = {prewarm.fla_kernel_set(c.shape, c.gates, c.chunk_size, c.state) for c in envelope}
     assert {prewarm.fla_kernel_set(cells.Shape(j["B"], j["T"], j["H"], j["D"], j["N"]), j["gates"],
                                    j["chunk_size"], j["state"]) for j in jobs} == sets
-    assert (jobs[0]["D"], jobs[0]["chunk_size"]) == (128, 16)  # the longest job starts first
+    heavy = [j["N"] is not None or (j["D"], j["chunk_size"]) == (128, 16) for j in jobs]
+    assert heavy == sorted(heavy, reverse=True) and sum(heavy) == 14  # the longest jobs first
     design = [j for j in jobs if (j["D"], j["H"], j["N"]) == (64, 32, None)]
     assert {j["B"] for j in design} == {cells.DESIGN.B}  # the larger grid stands for the set
     for job in jobs:
@@ -393,3 +394,17 @@ def test_other_gpu_processes_counts_only_this_gpu():
     assert harness.processes_on(smi, "aaaa-1111") == [101, 303]
     assert harness.processes_on(smi, None) == [101, 202, 303]
     assert harness.processes_on("", "aaaa-1111") == []
+
+
+def test_report_merges_shards_in_envelope_order_and_counts_coverage(tmp_path):
+    envelope = [c for c in cells.envelope() if c.mode in cells.MODES]
+    picked = envelope[:4] + envelope[-2:]
+    records = [{**c.fields(), "torch_dplr_ms": 1.0} for c in picked]
+    (tmp_path / "a.json").write_text("".join(json.dumps(r) + "\n" for r in records[::2]))
+    (tmp_path / "b.json").write_text("".join(json.dumps(r) + "\n" for r in records[1::2][::-1]))
+    out = tmp_path / "all.json"
+    assert report.merge([tmp_path / "a.json", tmp_path / "b.json"], out) == len(picked)
+    assert [r["cell"] for r in report.load(out)] == [c.id for c in picked]
+    line = report.coverage(report.load(out))[-1]
+    assert line.startswith(f"Cells measured: {len(picked)} of the envelope's {len(envelope)}.")
+    assert "B2-T4096-H8-D64 chunk 16 (12)" in line  # a whole group not measured

@@ -10,7 +10,8 @@
 #      SIDE="cmd" runs cmd on GPU 0 meanwhile (e.g. tools/tune_knobs.py) and keeps the prewarm
 #      off GPU 0 (on a host of several GPUs), so that its timings have that GPU to themselves
 #   3. when all of them are done: one harness process per GPU (--shard i/n, --no-prewarm),
-#      each timing its share of the cells on its own GPU
+#      each timing its share of the cells on its own GPU: the comparison cells (fwd, fwd_bwd)
+#      first, then the stage cells
 #   4. when every shard is done: the shards' JSON lines concatenated into h200.json, and the
 #      report (h200.md, h200.png) in $OUT
 # Each call waits until the envelope is done or CALL_S seconds (default 540) have passed, then
@@ -71,14 +72,15 @@ while true; do
       [ -f "$W/$job.done" ] && echo "$job rc=$(cat "$W/$job.done"): $(tail -1 "$W/$job.log")"
     done
     for i in $(seq 0 $((NGPU - 1))); do
-      shard=(); [ "$NGPU" -gt 1 ] && shard=(--shard "$i/$NGPU")
-      CUDA_VISIBLE_DEVICES=$i background "shard$i" timeout 3000 python3 -m torch_dplr bench \
-        --no-prewarm --resume --modes fwd,fwd_bwd,stage "${shard[@]}" --name "shard$i" --out "$BENCH"
+      shard=""; [ "$NGPU" -gt 1 ] && shard="--shard $i/$NGPU"
+      # the comparison cells first, the per-stage breakdown after them (same file, --resume)
+      bench="timeout 3000 python3 -m torch_dplr bench --no-prewarm --resume $shard --name shard$i --out $BENCH"
+      CUDA_VISIBLE_DEVICES=$i background "shard$i" bash -c "$bench --modes fwd,fwd_bwd && $bench --modes stage"
     done
   fi
   if shards_done; then
-    cat "$BENCH"/shard*.json "$BENCH/first-call.json" > "$BENCH/h200.json"
-    python3 -m benchmarks.report "$BENCH/h200.json" > "$W/report.log" 2>&1
+    python3 -m benchmarks.report "$BENCH/h200.json" --merge "$BENCH"/shard*.json \
+      "$BENCH/first-call.json" > "$W/report.log" 2>&1
     cp "$BENCH"/h200.json "$BENCH"/h200.md "$BENCH"/h200.png "$OUT"/ 2>/dev/null
     echo "envelope done: $(wc -l < "$BENCH/h200.json") records"
     break
@@ -91,5 +93,11 @@ while true; do
   fi
   sleep 5
 done
+# FLA's autotune choices, made here on the cells' real inputs (small), in the layout of
+# gpu_run.sh SAVE_FLA_CACHE: carried next time (FLA_CACHE=.../fla_cache.tar.xz
+# tools/pack_gpu_bundle.sh), FLA tunes nothing and the prewarm compiles only the chosen configs
+rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton
+(cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
+tar -C /tmp/flasave -cf - . | xz -T0 -6 > "$W/fla_cache.tar.xz"
 tar czf "$OUT/envelope.tgz" -C "$W" .
 echo "total $(( $(date +%s) - t0 )) s"
