@@ -83,18 +83,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compile inside the timed cells' first calls instead of in parallel up front")
     p.add_argument("--first-call-timeout", type=float, default=540.0, help="seconds per subprocess")
     p.add_argument("--shard", help="I/N: only shard I (0-based) of N of the selected cells, "
-                   "for N processes on N GPUs of one host (each with its own --name; "
-                   "concatenate the JSON files and run benchmarks.report on the result)")
+                   "for N processes on N GPUs of one host, each with its own --name and "
+                   "--no-prewarm (run python -m benchmarks.prewarm once before them); then "
+                   "python -m benchmarks.report OUT.json --merge the shards' files")
     p.add_argument("--list", action="store_true", help="print the selected cell ids and exit")
     args = p.parse_args(argv)
     if args.shard is not None:
+        given = args.shard
         try:
-            index, count = (int(x) for x in args.shard.split("/"))
-            if not 0 <= index < count:
-                raise ValueError
-        except ValueError:
-            p.error(f"--shard must be I/N with 0 <= I < N, got {args.shard!r}")
-        args.shard = (index, count)
+            args.shard = tuple(int(x) for x in given.split("/"))
+            cells.shard([], *args.shard)  # checks 0 <= I < N
+        except (TypeError, ValueError):
+            p.error(f"--shard must be I/N with 0 <= I < N, got {given!r}")
     args.modes = _modes(args)
     args.policies = [x for x in args.policies.split(",") if x]
     unknown = set(args.modes) - {*cells.MODES, cells.FIRST_CALL, cells.STAGE}
@@ -115,6 +115,10 @@ def device_stem(device: torch.device) -> str:
 
 
 def _git_commit() -> str | None:
+    """The code's commit: ``$TORCH_DPLR_GIT_COMMIT`` when set (the GPU bundle sets it: the
+    lent machine's copy of ``.git`` can lag the working tree that travels), else git's HEAD."""
+    if os.environ.get("TORCH_DPLR_GIT_COMMIT"):
+        return os.environ["TORCH_DPLR_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, timeout=10)

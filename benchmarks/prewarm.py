@@ -16,8 +16,9 @@ Over the whole envelope that is most of a device session.  Here:
   multiple of 64, so the chunk counts keep Triton's divisible-by-16 specialization).  That
   first shape is the one FLA's TileLang verifier accepts most often (the largest grid comes
   first in the envelope), so its kernels cover the set.  The longest jobs (varlen, and head
-  dim 128 at chunk 16: hundreds of autotune candidates each) start first.  Workers run in parallel, spread
-  over the visible GPUs; TileLang's disk cache takes concurrent writers (atomic renames).
+  dim 128 at chunk 16: hundreds of autotune candidates each) start first.  Workers run in
+  parallel, spread over the visible GPUs; TileLang's disk cache takes concurrent writers
+  (atomic renames).
 
 Triton's autotuner would tune a key that the shipped results lack on the short input, with
 other workers sharing the GPU, and cache that choice.  So each worker gets a private Triton

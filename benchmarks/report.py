@@ -45,15 +45,17 @@ _MODE_ORDER = ("fwd", "fwd_bwd", "stage", "stage_sum", "first_call")
 
 def _envelope_position(record: dict) -> tuple:
     """Where a record's cell sits in the envelope's order (shape, gates, chunk size, state,
-    mode, policy); records of unknown shapes or modes go last, in their order."""
+    mode, policy), first_call records last; records of unknown shapes, gate styles or modes
+    go after the known ones, in their order."""
     from . import cells
 
     shapes = [(s.B, s.T, s.H, s.D, s.N) for s in cells.SHAPES]
+    gates = list(cells.GATE_CHUNKS)
     shape = tuple(record.get(k) for k in ("B", "T", "H", "D", "N"))
     mode = record.get("mode")
-    return (record.get("mode") == "first_call",
+    return (mode == "first_call",
             shapes.index(shape) if shape in shapes else len(shapes),
-            list(cells.GATE_CHUNKS).index(record["gates"]) if record.get("gates") in cells.GATE_CHUNKS else 9,
+            gates.index(record["gates"]) if record.get("gates") in gates else len(gates),
             record.get("chunk_size") or 0, bool(record.get("state")),
             _MODE_ORDER.index(mode) if mode in _MODE_ORDER else len(_MODE_ORDER),
             record.get("policy") not in (None, "none"))
@@ -61,7 +63,8 @@ def _envelope_position(record: dict) -> tuple:
 
 def merge(parts, out) -> int:
     """The JSON lines of ``parts`` (e.g. the shards of ``bench --shard``) in one file ``out``,
-    in the envelope's order; returns the number of records."""
+    in the envelope's order; returns the number of records.  A cell in several parts keeps
+    every record; :func:`load` then takes the one of the last part named."""
     records = [json.loads(line) for part in parts
                for line in Path(part).read_text().splitlines() if line.strip()]
     records.sort(key=_envelope_position)  # stable: a cell's stage records keep their order

@@ -320,13 +320,13 @@ def test_prewarm_worker_pool_runs_every_job_and_kills_a_hung_one(tmp_path, monke
     jobs = [{"id": i, "B": 1, "T": 64, "H": 1, "D": 64, "N": None, "gates": "rwkv7",
              "chunk_size": 16, "state": False} for i in range(4)]
     gpus = {}
-    real_launch = launch
 
-    def launch(job, private, log):  # noqa: F811  (records the GPU each job was given)
+    def launch_recording_gpu(job, private, log):
         gpus[job["id"]] = job.get("gpu")
-        return real_launch(job, private, log)
+        return launch(job, private, log)
 
-    prewarm.run_fla_jobs(jobs, workers=2, say=lines.append, launch=launch, gpus=["0", "1"])
+    prewarm.run_fla_jobs(jobs, workers=2, say=lines.append, launch=launch_recording_gpu,
+                         gpus=["0", "1"])
     assert sorted(started) == [0, 1, 2, 3] and len(lines) == 4
     assert gpus == {0: "0", 1: "1", 2: "0", 3: "1"}  # the GPUs in turn
     assert sorted(p.name for p in (tmp_path / "triton").iterdir()) == [f"kernel{i}" for i in range(4)]
@@ -376,7 +376,7 @@ def test_shards_split_the_envelope_into_balanced_disjoint_parts():
         cells.shard(envelope, 2, 2)
 
 
-def test_harness_shard_option(tmp_path, capsys):
+def test_harness_shard_option(capsys):
     argv = ["--device", "cpu", "--list", "--modes", "fwd,first_call"]
     assert harness.main(argv) == 0
     every = capsys.readouterr().out.split()

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole benchmark envelope (issue 4) on a GPU host, over several device calls of one warm
 # machine: each call runs `bash tools/envelope_run.sh` from the checkout root (carry [".gpu"],
-# see pack_gpu_bundle.sh) and picks up where the last call stopped.  The work outlives a call
-# (setsid), so the device's 10-minute limit per call cuts nothing; issue the next call at once
-# (a machine idle for 30 s goes back, and /tmp with it).
+# see pack_gpu_bundle.sh) and picks up where the last call stopped.  Apart from the first step
+# (about 100 s, inside the first call) the work runs detached (setsid) and outlives a call, so
+# the device's 10-minute limit per call cuts none of it; issue the next call at once (a machine
+# idle for 30 s goes back, and /tmp with it).
 #   1. first_call alone (cold then warm cache; nothing else runs on the host meanwhile)
 #   2. in the background: the prewarm (benchmarks.prewarm: FLA's kernels and autotuning
 #      candidates, spread over every GPU) and, with TESTS="files", pytest on the last GPU.
@@ -22,13 +23,15 @@ source tools/gpu_setup.sh
 W=/tmp/envelope
 BENCH=$W/bench
 mkdir -p "$BENCH"
-NGPU=$(nvidia-smi -L | wc -l)
+NGPU=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 CALL_S=${CALL_S:-540}
 
 background() {  # background NAME CMD...: run detached from this call; NAME.done when it ends
   local name=$1; shift
-  setsid nohup bash -c '"$@" > "'"$W/$name.log"'" 2>&1; echo $? > "'"$W/$name.done"'"' _ "$@" \
-    < /dev/null > /dev/null 2>&1 &
+  # shellcheck disable=SC2016
+  setsid nohup bash -c 'log=$1 done=$2; shift 2; "$@" > "$log" 2>&1; echo $? > "$done"' \
+    _ "$W/$name.log" "$W/$name.done" "$@" < /dev/null > /dev/null 2>&1 &
+  echo $! > "$W/$name.pid"  # its process group: kill -- -PID stops it and its children
   touch "$W/$name.started"
   echo "started $name: $*"
 }
@@ -79,10 +82,20 @@ while true; do
     done
   fi
   if shards_done; then
-    python3 -m benchmarks.report "$BENCH/h200.json" --merge "$BENCH"/shard*.json \
-      "$BENCH/first-call.json" > "$W/report.log" 2>&1
-    cp "$BENCH"/h200.json "$BENCH"/h200.md "$BENCH"/h200.png "$OUT"/ 2>/dev/null
-    echo "envelope done: $(wc -l < "$BENCH/h200.json") records"
+    parts=("$BENCH"/shard*.json); [ -f "$BENCH/first-call.json" ] && parts+=("$BENCH/first-call.json")
+    if python3 -m benchmarks.report "$BENCH/h200.json" --merge "${parts[@]}" > "$W/report.log" 2>&1; then
+      cp "$BENCH"/h200.json "$BENCH"/h200.md "$OUT"/ && cp "$BENCH"/h200.png "$OUT"/ 2>/dev/null
+      echo "envelope done: $(wc -l < "$BENCH/h200.json") records"
+    else
+      echo "report failed: $(tail -1 "$W/report.log")"
+    fi
+    # FLA's autotune choices, made here on the cells' real inputs (small), in the layout of
+    # gpu_run.sh SAVE_FLA_CACHE: carried next time (FLA_CACHE=.../fla_cache.tar.xz
+    # tools/pack_gpu_bundle.sh), FLA tunes nothing and the prewarm compiles only the chosen
+    # configs.  Only now: while shards time cells, this call adds no CPU load.
+    rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton
+    (cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
+    tar -C /tmp/flasave -cf - . | xz -T0 -6 > "$W/fla_cache.tar.xz"
     break
   fi
   if [ $((now - t0)) -ge "$CALL_S" ]; then echo "call time up; run this script again"; break; fi
@@ -93,11 +106,5 @@ while true; do
   fi
   sleep 5
 done
-# FLA's autotune choices, made here on the cells' real inputs (small), in the layout of
-# gpu_run.sh SAVE_FLA_CACHE: carried next time (FLA_CACHE=.../fla_cache.tar.xz
-# tools/pack_gpu_bundle.sh), FLA tunes nothing and the prewarm compiles only the chosen configs
-rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton
-(cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
-tar -C /tmp/flasave -cf - . | xz -T0 -6 > "$W/fla_cache.tar.xz"
-tar czf "$OUT/envelope.tgz" -C "$W" .
+tar czf "$OUT/envelope.tgz" -C "$W" .  # logs and partial JSON (small: no load on the shards)
 echo "total $(( $(date +%s) - t0 )) s"

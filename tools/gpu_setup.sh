@@ -16,6 +16,8 @@ if [ ! -f /tmp/site/.done ]; then  # once per machine (a warm machine keeps /tmp
   touch /tmp/site/.done
 fi
 export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+# the commit the results name (see pack_gpu_bundle.sh; benchmarks.harness reads it)
+[ -f .gpu/commit ] && export TORCH_DPLR_GIT_COMMIT="$(cat .gpu/commit)"
 echo "setup $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, tilelang; print(torch.__version__, tilelang.__version__, torch.cuda.get_device_capability())"

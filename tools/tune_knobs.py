@@ -21,7 +21,11 @@ from benchmarks.timing import Timer
 from torch_dplr.ops import kernels
 
 
+STAGE_CALL = {"fused_fwd": FUSED}  # kernel name -> stage call name, where they differ
+
+
 def _value(text: str):
+    """A knob's value from the command line: a bool, an int, or the string as given."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     return int(text) if text.lstrip("-").isdigit() else text
@@ -43,9 +47,6 @@ def with_knobs(op: str, knobs: dict):
         table[op] = (factory, {**config, **knobs})
         return table
     return default, patched
-
-
-STAGE_CALL = {"fused_fwd": FUSED}  # kernel name -> stage call name, where they differ
 
 
 def run_op(cell, inp, op):
