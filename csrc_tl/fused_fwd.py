@@ -66,6 +66,7 @@ import itertools
 import tilelang.language as T
 
 from .compile import canonical_dtype, kernel_options
+from .tile_macros import gate_scan_from, split, split_gemms, split_of, tf32, wgmma_join
 
 __all__ = ["fused_fwd_kernel", "chain_ranges", "variants", "ref_program", "smem_estimate", "CHUNK_SIZES",
            "HEAD_DIMS", "DTYPES"]
@@ -74,7 +75,6 @@ CHUNK_SIZES = (64,)
 HEAD_DIMS = (64,)
 DTYPES = ("bfloat16", "float16")
 
-LOG2E = 1.4426950408889634
 _ACC = "float32"
 _SPLIT = "bfloat16"  # hi/lo terms of fp32 x fp32 products (the inverse), as wy_fwd
 _SUB = 16  # diagonal block of the triangular inverse
@@ -126,12 +126,6 @@ def chain_ranges(C: int, trim: bool) -> dict:
     if not trim or C < 64:
         return dict(M=(0, C), P=(0, C), M2=(0, C), Inv=(0, C))
     return dict(M=(_SUB, C), P=(0, C - _SUB), M2=(_SUB, C - _SUB), Inv=(0, C - 2 * _SUB))
-
-
-def _tf32(x):
-    """Round an fp32 value to tf32 (as csrc_tl.intra_fwd)."""
-    bits = T.reinterpret(x, "uint32")
-    return T.reinterpret((bits + T.uint32(0x1000)) & T.uint32(0xFFFFE000), _ACC)
 
 
 @kernel_options(pass_configs=_PASS_CONFIGS)
@@ -191,32 +185,8 @@ def fused_fwd_kernel(
 
     # ---------------- shared helpers (patterns of intra_fwd / wy_fwd / state_fwd) ----------------
 
-    @T.macro
-    def join(acc, acc2=None):
-        # wait for the GEMMs issued with _NOWAIT; the fences keep nvcc from hoisting reads of
-        # the accumulators above the wait
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(acc, num_regs=acc.shape[0] * acc.shape[1] // threads)
-        if acc2 is not None:
-            T.warpgroup_fence_operand(acc2, num_regs=acc2.shape[0] * acc2.shape[1] // threads)
-
-    @T.macro
-    def split_of(value, hi, lo):
-        # hi + lo == value(i, j) to ~2^-17 relative (bf16 pair); value an fp32 expression
-        for i, j in T.Parallel(*hi.shape):
-            x = value(i, j)
-            hi[i, j] = T.Cast(hi.dtype, x)
-            lo[i, j] = T.Cast(lo.dtype, x - T.Cast(f32, T.Cast(hi.dtype, x)))
-
-    def split(src, hi, lo):
-        split_of(lambda i, j: src[i, j], hi, lo)
-
-    @T.macro
-    def gemm3(Xh, Xl, Yh, Yl, acc):
-        # acc += X Y, both factors split; small terms first; the caller joins
-        T.gemm(Xl, Yh, acc, annotations=_NOWAIT)
-        T.gemm(Xh, Yl, acc, annotations=_NOWAIT)
-        T.gemm(Xh, Yh, acc, annotations=_NOWAIT)
+    join = wgmma_join(threads)
+    gemm3, gemm2 = split_gemms(_NOWAIT)  # the caller joins
 
     @T.macro
     def gemm3_over(Xh, Xl, Yh, Yl, acc, k_range):
@@ -224,12 +194,6 @@ def fused_fwd_kernel(
         # multiply exact zeros
         lo, hi = k_range
         gemm3(Xh[:, lo:hi], Xl[:, lo:hi], Yh[lo:hi, :], Yl[lo:hi, :], acc)
-
-    @T.macro
-    def gemm2(Xh, Xl, Y, acc):
-        # acc += X Y, X split (Y holds data of the dtype); the caller joins
-        T.gemm(Xl, Y, acc, annotations=_NOWAIT)
-        T.gemm(Xh, Y, acc, annotations=_NOWAIT)
 
     def d_entry(Dd_s):
         # D[i, j] from its compact form (zero off the diagonal blocks)
@@ -253,36 +217,8 @@ def fused_fwd_kernel(
         T.ptx_wait_group(0)
         T.sync_threads()
 
-    @T.macro
-    def gate_scan(L, G, Tot, run, vals):
-        """G[r + 1, c] = gi of row r (log2, gates past L count 0), G[0, c] = 0. One thread per
-        (column, row segment), rows in register batches (csrc_tl.intra_fwd.gate_scan)."""
-        tx = T.get_thread_binding()
-        col = tx % K
-        seg = tx // K
-        run[0] = T.float32(0)
-        for r0 in T.unroll(0, SL, SB):
-            for m in T.unroll(SB):
-                row = seg * SL + r0 + m
-                vals[m] = T.if_then_else(row < L, G[row + 1, col] * LOG2E, T.float32(0))
-            for m in T.unroll(SB):
-                run[0] = run[0] + vals[m]
-                G[seg * SL + r0 + m + 1, col] = run[0]
-        if seg == 0:
-            G[0, col] = T.float32(0)
-        if NSEG > 1:
-            Tot[seg, col] = run[0]
-            T.sync_threads()
-            run[0] = T.float32(0)
-            for p in T.unroll(NSEG - 1):
-                if p < seg:
-                    run[0] = run[0] + Tot[p, col]
-            for r0 in T.unroll(0, SL, SB):
-                for m in T.unroll(SB):
-                    vals[m] = G[seg * SL + r0 + m + 1, col]
-                for m in T.unroll(SB):
-                    G[seg * SL + r0 + m + 1, col] = vals[m] + run[0]
-        T.sync_threads()
+    # G[r + 1, c] = gi of row r (log2, gates past L count 0), G[0, c] = 0
+    gate_scan = gate_scan_from(C, K, NSEG, SB, 1, True)
 
     @T.macro
     def operands_ab_ak(G, a_t, b_t, k_t, Ac, Bc, Kc, c0):
@@ -292,9 +228,9 @@ def fused_fwd_kernel(
             gi = G[r + 1, c0 + c]
             gm = G[mid + 1, c0 + c]
             f = T.exp2(gm - gi)
-            Ac[r, c] = _tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - gm))
-            Bc[r, c] = _tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
-            Kc[r, c] = _tf32(T.Cast(f32, k_t[r, c0 + c]) * f)
+            Ac[r, c] = tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - gm))
+            Bc[r, c] = tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
+            Kc[r, c] = tf32(T.Cast(f32, k_t[r, c0 + c]) * f)
 
     @T.macro
     def operands_qk_qb(G, q_t, b_t, k_t, Qc, Bc, Kc, c0):
@@ -303,9 +239,9 @@ def fused_fwd_kernel(
             gi = G[r + 1, c0 + c]
             gm = G[mid + 1, c0 + c]
             f = T.exp2(gm - gi)
-            Qc[r, c] = _tf32(T.Cast(f32, q_t[r, c0 + c]) * T.exp2(gi - gm))
-            Bc[r, c] = _tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
-            Kc[r, c] = _tf32(T.Cast(f32, k_t[r, c0 + c]) * f)
+            Qc[r, c] = tf32(T.Cast(f32, q_t[r, c0 + c]) * T.exp2(gi - gm))
+            Bc[r, c] = tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
+            Kc[r, c] = tf32(T.Cast(f32, k_t[r, c0 + c]) * f)
 
     @T.macro
     def intra_products(G, X_t, Y_t, Z_t, Xc, Yc, Zc, F1, F2, operands):
@@ -451,7 +387,7 @@ def fused_fwd_kernel(
                 load_chunk(q, k, a, b, gk, t0, i_h, q_t, k_t, a_t, b_t, G)
 
                 # ================= intra =================
-                gate_scan(L, G, Tot, run, vals)
+                gate_scan(L, T.get_thread_binding(), G, Tot, run, vals)
                 for kk in T.Parallel(K):
                     gl_s[kk] = G[C, kk]
                 # A_qk, A_qb first: their outputs (16 KB) are smaller than what A_ab / A_ak

@@ -103,6 +103,7 @@ import math
 import tilelang.language as T
 
 from .compile import canonical_dtype, kernel_options
+from .tile_macros import LOG2E, gate_scan_from, tf32
 
 __all__ = [
     "intra_fwd_kernel",
@@ -121,7 +122,6 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 SCHEMES = ("centred", "tiled")
 
-LOG2E = 1.4426950408889634
 #: Largest positive exponent the centred scheme may produce, (C/2) * |lower_bound| * log2e.
 #: 2^100 leaves ~2^27 of fp32 range for the operand magnitudes (|q|, |k|, ... < 1e8).
 CENTRED_MAX_EXPONENT = 100.0
@@ -160,12 +160,6 @@ def _default_block_k(C: int, K: int, scheme: str) -> int:
     # CTAs per SM); C = 16 runs 64 threads, fewer columns each. tiled: seven padded fp32
     # C x (BK + 1) tiles plus four C x BK operands, 92 KB at C = 64, BK = 32.
     return min(K, 64 if scheme == "centred" and C > 16 else 32)
-
-
-def _tf32(x):
-    """Round an fp32 value to tf32 (10 explicit mantissa bits, nearest, ties away from 0)."""
-    bits = T.reinterpret(x, "uint32")
-    return T.reinterpret((bits + T.uint32(0x1000)) & T.uint32(0xFFFFE000), _ACC)
 
 
 @kernel_options(pass_configs=None)
@@ -281,37 +275,8 @@ def intra_fwd_kernel(
             kS[r, c] = T.Cast(f32, k_t[r, c])
             bS[r, c] = T.Cast(f32, b_t[r, c])
 
-    @T.macro
-    def gate_scan(L, tx, G, Tot, run, vals):
-        """gates in log2 units (0 past L), scanned down the rows in place. One thread per
-        (column, row segment): thread-indexed, so no barrier per row; rows go in batches of
-        SB loaded into registers before any store, so their loads are in flight together."""
-        col = tx % BK
-        seg = tx // BK
-        run[0] = T.float32(0)
-        for r0 in T.unroll(0, SL, SB):
-            for m in T.unroll(SB):
-                row = seg * SL + r0 + m
-                vals[m] = T.if_then_else(row < L, G[row + o, col] * LOG2E, T.float32(0))
-            for m in T.unroll(SB):
-                run[0] = run[0] + vals[m]
-                G[seg * SL + r0 + m + o, col] = run[0]
-        if centred:
-            if seg == 0:
-                G[0, col] = T.float32(0)
-        if NSEG > 1:
-            Tot[seg, col] = run[0]
-            T.sync_threads()
-            run[0] = T.float32(0)
-            for p in T.unroll(NSEG - 1):
-                if p < seg:
-                    run[0] = run[0] + Tot[p, col]
-            for r0 in T.unroll(0, SL, SB):
-                for m in T.unroll(SB):
-                    vals[m] = G[seg * SL + r0 + m + o, col]
-                for m in T.unroll(SB):
-                    G[seg * SL + r0 + m + o, col] = vals[m] + run[0]
-        T.sync_threads()
+    # gates in log2 units (0 past L), scanned down the rows in place
+    gate_scan = gate_scan_from(C, BK, NSEG, SB, o, centred)
 
     @T.macro
     def store_rows(src, dst, i_b, i_h, t0, L, c0, W):
@@ -417,11 +382,11 @@ def intra_fwd_kernel(
                     Ra[r, c] = T.Cast(dtype, av * T.exp2(ge))
                     Rk[r, c] = T.Cast(dtype, kv * to_end)
                     Rb[r, c] = T.Cast(dtype, bv * to_end)
-                    Qc[r, c] = _tf32(qv * T.exp2(gi - gm))
-                    Ac[r, c] = _tf32(av * T.exp2(ge - gm))
+                    Qc[r, c] = tf32(qv * T.exp2(gi - gm))
+                    Ac[r, c] = tf32(av * T.exp2(ge - gm))
                     f = T.exp2(gm - gi)
-                    Kc[r, c] = _tf32(kv * f)
-                    Bc[r, c] = _tf32(bv * f)
+                    Kc[r, c] = tf32(kv * f)
+                    Bc[r, c] = tf32(bv * f)
                 T.sync_threads()
                 for r, c in T.Parallel(C, BK):
                     q_t[r, c] = Rq[r, c]
@@ -452,18 +417,18 @@ def intra_fwd_kernel(
                     for r, c in T.Parallel(C, BK):
                         gi = gi_at(G, r, c)
                         gm = G[mid + o, c]
-                        Qc[r, c] = _tf32(T.Cast(f32, q_t[r, c]) * T.exp2(gi - gm))
-                        Ac[r, c] = _tf32(T.Cast(f32, a_t[r, c]) * T.exp2(ge_at(G, r, c) - gm))
+                        Qc[r, c] = tf32(T.Cast(f32, q_t[r, c]) * T.exp2(gi - gm))
+                        Ac[r, c] = tf32(T.Cast(f32, a_t[r, c]) * T.exp2(ge_at(G, r, c) - gm))
                         f = T.exp2(gm - gi)
-                        Kc[r, c] = _tf32(T.Cast(f32, k_t[r, c]) * f)
-                        Bc[r, c] = _tf32(T.Cast(f32, b_t[r, c]) * f)
+                        Kc[r, c] = tf32(T.Cast(f32, k_t[r, c]) * f)
+                        Bc[r, c] = tf32(T.Cast(f32, b_t[r, c]) * f)
                 else:
                     for r, c in T.Parallel(C, BK):
                         gi = G[r, c]
                         if nb > 1:
                             f = T.exp2(G[(r // _SUB) * _SUB + _SUB - 1, c] - gi)
-                            Kr[r, c] = _tf32(kS[r, c] * f)
-                            Br[r, c] = _tf32(bS[r, c] * f)
+                            Kr[r, c] = tf32(kS[r, c] * f)
+                            Br[r, c] = tf32(bS[r, c] * f)
                         if r % _SUB < _HALF:
                             f = T.exp2(G[(r // _SUB) * _SUB + _HALF - 1, c] - gi)
                             kF[r, c] = kS[r, c] * f
@@ -482,8 +447,8 @@ def intra_fwd_kernel(
                     e_row = J * _SUB + _SUB - 1
                     for r, c in T.Parallel(C, BK):
                         if r // _SUB > J:
-                            X[r, c] = _tf32(qS[r, c] * T.exp2(G[r, c] - G[e_row, c]))
-                            Y[r, c] = _tf32(aS[r, c] * T.exp2(G[r - 1, c] - G[e_row, c]))
+                            X[r, c] = tf32(qS[r, c] * T.exp2(G[r, c] - G[e_row, c]))
+                            Y[r, c] = tf32(aS[r, c] * T.exp2(G[r - 1, c] - G[e_row, c]))
                         else:
                             X[r, c] = T.float32(0)
                             Y[r, c] = T.float32(0)

@@ -1,5 +1,55 @@
-"""TileLang macros shared by several kernel families (no kernels here)."""
+"""TileLang macros and helpers shared by several kernel families (no kernels here)."""
 import tilelang.language as T
+
+LOG2E = 1.4426950408889634
+
+
+def tf32(x):
+    """Round an fp32 value to tf32 (10 explicit mantissa bits, nearest, ties away from 0)."""
+    bits = T.reinterpret(x, "uint32")
+    return T.reinterpret((bits + T.uint32(0x1000)) & T.uint32(0xFFFFE000), "float32")
+
+
+def gate_scan_from(C: int, width: int, nseg: int, batch: int, offset: int, zero_row: bool):
+    """Macro ``gate_scan(L, tx, G, Tot, run, vals)``: the gates of a chunk's ``width`` columns,
+    staged in ``G`` from row ``offset``, turned in place into their inclusive running sums in
+    log2 units (gates of rows >= L count 0); with ``zero_row`` row 0 of G is set to 0 (the
+    exclusive sum of row 0 when ``offset`` is 1). One thread ``tx`` per (column, row segment):
+    ``nseg`` segments of C / nseg rows, thread-indexed so no barrier per row, rows in batches
+    of ``batch`` loaded into registers (``vals``) before any store so their loads are in flight
+    together; segment totals meet in ``Tot`` [nseg, width]; ``run`` is one fp32 register."""
+    SL = C // nseg
+
+    @T.macro
+    def gate_scan(L, tx, G, Tot, run, vals):
+        col = tx % width
+        seg = tx // width
+        run[0] = T.float32(0)
+        for r0 in T.unroll(0, SL, batch):
+            for m in T.unroll(batch):
+                row = seg * SL + r0 + m
+                vals[m] = T.if_then_else(row < L, G[row + offset, col] * LOG2E, T.float32(0))
+            for m in T.unroll(batch):
+                run[0] = run[0] + vals[m]
+                G[seg * SL + r0 + m + offset, col] = run[0]
+        if zero_row:
+            if seg == 0:
+                G[0, col] = T.float32(0)
+        if nseg > 1:
+            Tot[seg, col] = run[0]
+            T.sync_threads()
+            run[0] = T.float32(0)
+            for p in T.unroll(nseg - 1):
+                if p < seg:
+                    run[0] = run[0] + Tot[p, col]
+            for r0 in T.unroll(0, SL, batch):
+                for m in T.unroll(batch):
+                    vals[m] = G[seg * SL + r0 + m + offset, col]
+                for m in T.unroll(batch):
+                    G[seg * SL + r0 + m + offset, col] = vals[m] + run[0]
+        T.sync_threads()
+
+    return gate_scan
 
 
 def zero_rows_from(C: int):
@@ -15,3 +65,53 @@ def zero_rows_from(C: int):
                     tile[i, j] = T.Cast(tile.dtype, 0)
 
     return zero_rows
+
+
+def wgmma_join(threads: int, wgmma: bool = True):
+    """Macro ``join(acc, acc2=None)``: wait for the GEMMs issued without waiting (async wgmma;
+    with ``wgmma`` False the GEMMs are mma.sync, done when issued, and it does nothing). The
+    fences keep nvcc from hoisting reads of the accumulators above the wait."""
+
+    @T.macro
+    def join(acc, acc2=None):
+        if wgmma:
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(acc, num_regs=acc.shape[0] * acc.shape[1] // threads)
+            if acc2 is not None:
+                T.warpgroup_fence_operand(acc2, num_regs=acc2.shape[0] * acc2.shape[1] // threads)
+
+    return join
+
+
+@T.macro
+def split_of(value, hi, lo):
+    """hi + lo == value(i, j) to ~2^-17 relative (a bf16 pair); ``value`` an fp32 expression of
+    (i, j). The hi/lo terms of the split products (fp32 x fp32 in three GEMMs)."""
+    for i, j in T.Parallel(*hi.shape):
+        x = value(i, j)
+        hi[i, j] = T.Cast(hi.dtype, x)
+        lo[i, j] = T.Cast(lo.dtype, x - T.Cast("float32", T.Cast(hi.dtype, x)))
+
+
+def split(src, hi, lo):
+    """:func:`split_of` of a stored fp32 tile."""
+    split_of(lambda i, j: src[i, j], hi, lo)
+
+
+def split_gemms(annotations):
+    """Macros ``gemm3(Xh, Xl, Yh, Yl, acc)`` (acc += X Y, both factors split) and
+    ``gemm2(Xh, Xl, Y, acc)`` (X split, Y data of the dtype), small terms first, each GEMM
+    issued with ``annotations`` (``{"wg_wait": -1}``: without waiting; the caller joins)."""
+
+    @T.macro
+    def gemm3(Xh, Xl, Yh, Yl, acc):
+        T.gemm(Xl, Yh, acc, annotations=annotations)
+        T.gemm(Xh, Yl, acc, annotations=annotations)
+        T.gemm(Xh, Yh, acc, annotations=annotations)
+
+    @T.macro
+    def gemm2(Xh, Xl, Y, acc):
+        T.gemm(Xl, Y, acc, annotations=annotations)
+        T.gemm(Xh, Y, acc, annotations=annotations)
+
+    return gemm3, gemm2

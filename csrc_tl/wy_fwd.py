@@ -108,7 +108,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .compile import canonical_dtype
-from .tile_macros import zero_rows_from
+from .tile_macros import split, split_gemms, split_of, wgmma_join, zero_rows_from
 
 __all__ = ["wy_fwd_kernel", "ref_program", "CHUNK_SIZES", "HEAD_DIMS", "DTYPES", "variants"]
 
@@ -184,43 +184,12 @@ def wy_fwd_kernel(
 
     B, Tn, H, NS = T.dynamic("B, T, H, NS")
 
-    @T.macro
-    def join(acc, acc2=None):
-        # wait for the GEMMs issued with `nowait` (mma.sync ones are done already); the
-        # fences keep nvcc from hoisting reads of the accumulators above the wait
-        if wgmma:
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(acc, num_regs=acc.shape[0] * acc.shape[1] // threads)
-            if acc2 is not None:
-                T.warpgroup_fence_operand(acc2, num_regs=acc2.shape[0] * acc2.shape[1] // threads)
-
-    @T.macro
-    def split_of(value, hi, lo):
-        # hi + lo == value(i, j) to ~2^-17 relative; value an fp32 expression
-        for i, j in T.Parallel(*hi.shape):
-            x = value(i, j)
-            hi[i, j] = T.Cast(hi.dtype, x)
-            lo[i, j] = T.Cast(lo.dtype, x - T.Cast(_ACC, T.Cast(hi.dtype, x)))
-
-    def split(src, hi, lo):
-        split_of(lambda i, j: src[i, j], hi, lo)
+    join = wgmma_join(threads, wgmma)
+    gemm3, gemm2 = split_gemms(nowait)  # the caller joins
 
     def masked(src, keep):
         # src[i, j] where keep(i, j), else 0: masks are applied on the staged copy
         return lambda i, j: T.if_then_else(keep(i, j), src[i, j], T.float32(0))
-
-    @T.macro
-    def gemm3(Xh, Xl, Yh, Yl, acc):
-        # acc += X Y with both factors split; small terms first; the caller joins
-        T.gemm(Xl, Yh, acc, annotations=nowait)
-        T.gemm(Xh, Yl, acc, annotations=nowait)
-        T.gemm(Xh, Yh, acc, annotations=nowait)
-
-    @T.macro
-    def gemm2(Xh, Xl, Y, acc):
-        # acc += X Y with X split (Y holds data of the dtype); the caller joins
-        T.gemm(Xl, Y, acc, annotations=nowait)
-        T.gemm(Xh, Y, acc, annotations=nowait)
 
     @T.macro
     def copy_rows(src, i_b, i_h, t0, dst):
