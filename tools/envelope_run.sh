@@ -89,13 +89,10 @@ while true; do
     else
       echo "report failed: $(tail -1 "$W/report.log")"
     fi
-    # FLA's autotune choices, made here on the cells' real inputs (small), in the layout of
-    # gpu_run.sh SAVE_FLA_CACHE: carried next time (FLA_CACHE=.../fla_cache.tar.xz
-    # tools/pack_gpu_bundle.sh), FLA tunes nothing and the prewarm compiles only the chosen
-    # configs.  Only now: while shards time cells, this call adds no CPU load.
-    rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton
-    (cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
-    tar -C /tmp/flasave -cf - . | xz -T0 -6 > "$W/fla_cache.tar.xz"
+    # FLA's autotune choices, made here on the cells' real inputs (small; carried next time
+    # FLA tunes nothing and the prewarm compiles only the chosen configs). Only now: while
+    # shards time cells, this call adds no CPU load.
+    save_fla_cache "$W/fla_cache.tar.xz"
     break
   fi
   if [ $((now - t0)) -ge "$CALL_S" ]; then echo "call time up; run this script again"; break; fi

@@ -69,11 +69,7 @@ fi
 if [ -n "${SAVE_CACHE:-}" ]; then
   tar -C /tmp/tlc -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"; ls -la "$OUT/tlcache.tar.xz"
 fi
-if [ -n "${SAVE_FLA_CACHE:-}" ]; then  # autotune results, and cache entries made on this machine
-  rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton /tmp/flasave/tlc
-  (cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
-  (cd /tmp/tlc && find 0.1.15 -mindepth 2 -maxdepth 3 -type d -newer /tmp/site/.done \
-     \( -path '*/kernels/*' -o -path '*/cuda-binaries/*' \) -exec cp -r --parents {} /tmp/flasave/tlc/ \;)
-  tar -C /tmp/flasave -cf - . | xz -T0 -6 > "$OUT/fla_cache.tar.xz"; ls -la "$OUT/fla_cache.tar.xz"
+if [ -n "${SAVE_FLA_CACHE:-}" ]; then  # autotune results, and TileLang kernels made here
+  save_fla_cache "$OUT/fla_cache.tar.xz" tilelang; ls -la "$OUT/fla_cache.tar.xz"
 fi
 echo "total $(( $(date +%s) - t0 )) s"

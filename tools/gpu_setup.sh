@@ -21,3 +21,15 @@ export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=
 echo "setup $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, tilelang; print(torch.__version__, tilelang.__version__, torch.cuda.get_device_capability())"
+
+save_fla_cache() {  # save_fla_cache DEST [tilelang]: what FLA tuned here (Triton autotune results)
+  # and, with "tilelang", the TileLang kernels compiled on this machine, as a tar.xz that
+  # pack_gpu_bundle.sh FLA_CACHE=DEST carries next time (gpu_setup.sh unpacks it)
+  rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton /tmp/flasave/tlc
+  (cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
+  if [ "${2:-}" = tilelang ]; then
+    (cd /tmp/tlc && find 0.1.15 -mindepth 2 -maxdepth 3 -type d -newer /tmp/site/.done \
+       \( -path '*/kernels/*' -o -path '*/cuda-binaries/*' \) -exec cp -r --parents {} /tmp/flasave/tlc/ \;)
+  fi
+  tar -C /tmp/flasave -cf - . | xz -T0 -6 > "$1"
+}

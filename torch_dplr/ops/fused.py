@@ -20,7 +20,7 @@ from torch import Tensor
 from .chunked import without_autocast
 from .intra import chunk_intra_fwd_reference
 from .kernels import kernel_for, pipeline
-from .shapes import allocate, fused_fwd_shapes
+from .shapes import allocate, fused_fwd_shapes, num_sequences
 from .state import chunk_state_fwd_reference
 from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply
 from .varlen import as_one_sequence_list as flat
@@ -47,7 +47,7 @@ def fused_kernel_applies(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, c
     parallel; such calls stay on the staged path.  Reads shapes only: no host sync.
     """
     H, K, V = q.shape[2], q.shape[-1], v.shape[-1]
-    num_seqs = q.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
+    num_seqs = num_sequences(q, cu_seqlens)
     if not (num_seqs <= MAX_GRID_YZ and kernels_apply(q, chunk_size, K, V)):
         return False
     # TileLang is importable from here on (kernels_apply checked it)

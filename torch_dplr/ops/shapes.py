@@ -19,15 +19,17 @@ def _num_seqs(cu_seqlens):
     return None if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
 
 
-def _state_batch(q, cu_seqlens):
-    return q.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
+def num_sequences(x, cu_seqlens):
+    """Sequences of a call whose token tensor is ``x`` [B, T, ...]: B for a rect batch, N for
+    varlen (``cu_seqlens`` [N+1]); one final state each.  Shapes only: no host sync."""
+    return x.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
 
 
 def _output_and_final_state(q, v, cu_seqlens, state_dtype):
     """o [B, T, H, V] in v's dtype and the final state [N, H, K, V]: every forward returns them."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return ((B, T, H, V), v.dtype), ((_state_batch(q, cu_seqlens), H, K, V), state_dtype)
+    return ((B, T, H, V), v.dtype), ((num_sequences(q, cu_seqlens), H, K, V), state_dtype)
 
 
 def intra_fwd_shapes(q, gk, cu_seqlens, chunk_size):
@@ -78,9 +80,9 @@ def recurrent_fwd_shapes(q, v, cu_seqlens):
     return _output_and_final_state(q, v, cu_seqlens, acc_dtype(q.dtype))
 
 
-def fused_fwd_shapes(q, v, cu_seqlens):
-    """o, final_state of the fused no-grad forward (the final state always: fixed arity)."""
-    return _output_and_final_state(q, v, cu_seqlens, acc_dtype(q.dtype))
+# o, final_state of the fused no-grad forward (the final state always: fixed arity): the same
+# pair as the per-token forward's
+fused_fwd_shapes = recurrent_fwd_shapes
 
 
 def recurrent_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state):

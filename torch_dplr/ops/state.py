@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..reference import state as ref
 from .chunked import ChunkedView, start_state, without_autocast
-from .shapes import allocate, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
+from .shapes import allocate, num_sequences, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
 from .tilelang_path import MAX_GRID_YZ, kernels_apply
 from .varlen import as_one_sequence_list as flat
@@ -21,8 +21,7 @@ from .varlen import kernel_tables
 
 def _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) -> bool:
     # one CTA row per sequence on grid y / z (read from shapes: no host sync)
-    num_seqs = v.shape[0] if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
-    return num_seqs <= MAX_GRID_YZ and kernels_apply(v, chunk_size, K, V)
+    return num_sequences(v, cu_seqlens) <= MAX_GRID_YZ and kernels_apply(v, chunk_size, K, V)
 
 
 @without_autocast
@@ -87,8 +86,8 @@ def chunk_state_bwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, v: 
                                      use_initial_state), v.device)
     view = ChunkedView(v, cu_seqlens, chunk_size)
     chunks = map(view.read_padded, (qg, kg, bg, w, v, A_qk, A_qb))
-    B, H, K, V = qg.shape[0], qg.shape[2], qg.shape[3], v.shape[3]
-    N = B if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
+    H, K, V = qg.shape[2], qg.shape[3], v.shape[3]
+    N = num_sequences(v, cu_seqlens)
     dh_end = start_state(dht, use_dht, (N, H, K, V), view.dtype, v.device)
     res = ref.state_bwd(view.layout.seq_slots, *chunks, view.read_slots(gl, pad=True),
                         view.read_slots(h, pad=True), view.read_padded(v_new),
