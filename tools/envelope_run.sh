@@ -6,8 +6,11 @@
 # the device's 10-minute limit per call cuts none of it; issue the next call at once (a machine
 # idle for 30 s goes back, and /tmp with it).
 #   1. first_call alone (cold then warm cache; nothing else runs on the host meanwhile)
+#   1b. ALONE="cmd": cmd right after, still alone on the host (e.g. an A/B timing that CPU load
+#      from the prewarm's compile workers would disturb), logged as alone.log
 #   2. in the background: the prewarm (benchmarks.prewarm: FLA's kernels and autotuning
-#      candidates, spread over every GPU) and, with TESTS="files", pytest on the last GPU.
+#      candidates, spread over every GPU) and, with TESTS="files", pytest on the last GPU;
+#      CHECKS="cmd" runs cmd there after the tests (e.g. compute-sanitizer), logged as tests.log.
 #      SIDE="cmd" runs cmd on GPU 0 meanwhile (e.g. tools/tune_knobs.py) and keeps the prewarm
 #      off GPU 0 (on a host of several GPUs), so that its timings have that GPU to themselves
 #   3. when all of them are done: one harness process per GPU (--shard i/n, --no-prewarm),
@@ -43,6 +46,12 @@ if [ ! -f "$W/first_call.done" ]; then
   echo $? > "$W/first_call.done"
   echo "first_call rc=$(cat "$W/first_call.done") $(( $(date +%s) - s )) s: $(tail -4 "$W/first_call.log" | head -1)"
 fi
+if [ -n "${ALONE:-}" ] && [ ! -f "$W/alone.done" ]; then
+  s=$(date +%s)
+  timeout 300 bash -c "$ALONE" > "$W/alone.log" 2>&1
+  echo $? > "$W/alone.done"
+  echo "alone rc=$(cat "$W/alone.done") $(( $(date +%s) - s )) s"; tail -20 "$W/alone.log"
+fi
 if [ ! -f "$W/prewarm.started" ]; then
   if [ -n "${SIDE:-}" ]; then
     if [ "$NGPU" -gt 1 ]; then
@@ -54,10 +63,11 @@ if [ ! -f "$W/prewarm.started" ]; then
   else
     background prewarm timeout 1500 python3 -m benchmarks.prewarm
   fi
-  if [ -n "${TESTS:-}" ]; then
-    # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=$((NGPU - 1)) background tests timeout 900 \
-      python3 -m pytest $TESTS -q -p no:cacheprovider -rfE
+  if [ -n "${TESTS:-}${CHECKS:-}" ]; then
+    checks="true"
+    [ -n "${TESTS:-}" ] && checks="python3 -m pytest $TESTS -q -p no:cacheprovider -rfE"
+    [ -n "${CHECKS:-}" ] && checks="$checks; $CHECKS"
+    CUDA_VISIBLE_DEVICES=$((NGPU - 1)) background tests timeout 1200 bash -c "$checks"
   fi
 fi
 
