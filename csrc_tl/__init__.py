@@ -12,7 +12,8 @@ __all__ = ["TARGET", "KERNEL_MODULES", "build", "build_all", "canonical_dtype", 
            "every_variant", "in_memory", "on_disk", "trace"]
 
 #: The kernel families; module ``csrc_tl.<name>`` has factory ``<name>_kernel`` and ``variants()``.
-KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd", "fused_fwd")
+KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd", "fused_fwd",
+                  "state_bwd_split")
 
 
 def every_variant(names=KERNEL_MODULES):

@@ -91,6 +91,7 @@ import math
 import tilelang.language as T
 
 from .compile import canonical_dtype, kernel_options
+from .tile_macros import stack_rows
 
 __all__ = ["state_bwd_kernel", "ref_program", "shared_bytes", "CHUNK_SIZES", "HEAD_DIMS", "DTYPES", "variants"]
 
@@ -113,12 +114,6 @@ def _default_threads(K: int, V: int) -> int:
     return 256 if K * V > 64 * 64 else 128
 
 
-def _stack_rows(C: int, threads: int) -> int:
-    # rows R of the stacked [v; v_new; pad] operand: the C x R product do·[v; v_new]ᵀ must
-    # give every warp whole m16n8 tiles (C = 16 with 8 warps: R = 64 > 2C)
-    return max(2 * C, 8 * (threads // 32) * 16 // C)
-
-
 def _column_block_layout(K: int, VP: int, threads: int):
     """The register layout of columns 0..VP of the fp32 dh accumulator ([K, V], one 16-row
     m16n8 strip per warp, FullRow): element (k, j) lives in thread (k // 16)·32 + (k % 8)·4 +
@@ -138,7 +133,7 @@ def _column_block_layout(K: int, VP: int, threads: int):
 def shared_bytes(C: int, K: int, V: int, threads: int = 0, itemsize: int = 2) -> int:
     """Shared memory the kernel allocates (before TileLang's small reduce workspace)."""
     threads = threads or _default_threads(K, V)
-    elems = 4 * C * K + 2 * C * V + _stack_rows(C, threads) * V + 2 * C * C + 2 * K * V
+    elems = 4 * C * K + 2 * C * V + stack_rows(C, threads) * V + 2 * C * C + 2 * K * V
     return elems * itemsize + 4 * K
 
 
@@ -177,7 +172,7 @@ def state_bwd_kernel(
     if h_parts not in (1, 2):
         raise ValueError(f"h_parts={h_parts} not in (1, 2)")
     VP = V // h_parts
-    R = _stack_rows(C, threads)
+    R = stack_rows(C, threads)
     rows = _ROWS
 
     B, Tn, H, S = T.dynamic("B, T, H, S")

@@ -115,3 +115,9 @@ def split_gemms(annotations):
         T.gemm(Xh, Y, acc, annotations=annotations)
 
     return gemm3, gemm2
+
+
+def stack_rows(C: int, threads: int) -> int:
+    """Rows R of the state backward's stacked [v; v_new; pad] operand: the C x R product
+    do·[v; v_new]ᵀ must give every warp whole m16n8 tiles (C = 16 with 8 warps: R = 64 > 2C)."""
+    return max(2 * C, 8 * (threads // 32) * 16 // C)

@@ -18,9 +18,10 @@ def test_every_selected_kernel_is_a_variant_the_ci_compiles(C, K, dtype, gate, b
     gate_dtype = torch.float32 if gate == "fp32" else dtype
     chosen = kernels.pipeline(C, K, K, dtype, gate_dtype, bound)
     stages = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd")
+    split = ("state_bwd_dh", "state_bwd_grads")  # the small-grid state backward
     # the fused no-grad forward: C = 64, K = 64, centred scheme (RWKV-7's bound, not -5)
     fused = ("fused_fwd",) if (C, K, bound) == (64, 64, -0.6065) else ()
-    assert sorted(chosen) == sorted(stages + fused)
+    assert sorted(chosen) == sorted(stages + split + fused)
     for op, (factory, config) in chosen.items():
         module = __import__(factory.__module__, fromlist=["variants"])
         assert config in list(module.variants()), (op, config)
@@ -50,10 +51,11 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
         assert kernels.kernel_for("state_fwd", 64, 64, 64, torch.bfloat16) is None
 
 
-def test_first_use_compiles_the_stage_kernels_together_and_the_fused_forward_alone(monkeypatch):
+def test_first_use_compiles_the_stage_kernels_together_and_on_demand_groups_alone(monkeypatch):
     """A training call's first op compiles the six stage kernels at once (not the no-grad
-    fused forward); a WY / state op whose kernel is compiled on disk compiles nothing (not its
-    default gate configuration's intra kernels); the fused forward compiles alone."""
+    fused forward, not the small-grid state backward); a WY / state op whose kernel is compiled
+    on disk compiles nothing (not its default gate configuration's intra kernels); the fused
+    forward compiles alone, the small-grid state backward's two kernels together."""
     compiled, on_disk = [], set()
 
     class Recorder:
@@ -83,6 +85,26 @@ def test_first_use_compiles_the_stage_kernels_together_and_the_fused_forward_alo
     assert len(compiled) == 1
     assert kernels.kernel_for("fused_fwd", *rwkv) == "fused_fwd_kernel"
     assert compiled[1:] == [["fused_fwd"]]
+    # the small-grid state backward: its two kernels together, on first use only
+    split = "state_bwd_split_kernel"
+    assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) == split
+    assert compiled[2:] == [["state_bwd_split", "state_bwd_split"]]
+    assert kernels.kernel_for("state_bwd_grads", 64, 64, 64, torch.bfloat16) == split
+    assert len(compiled) == 3
+
+
+@pytest.mark.parametrize("B,H,N,split", [(8, 32, None, False), (2, 8, None, True),
+                                         (1, 32, None, True), (1, 32, 8, False), (1, 32, 2, True),
+                                         (1, 132, None, False)])
+def test_state_backward_splits_on_grids_smaller_than_the_gpu(monkeypatch, B, H, N, split):
+    """chunk_state_bwd runs the split kernels when (sequence, head) pairs < SMs (132 here)."""
+    from torch_dplr.ops import state
+
+    monkeypatch.setattr(state, "sm_count", lambda index: 132)
+    monkeypatch.setattr(state, "device_index", lambda device: 0)
+    v = torch.empty(B, 64, H, 64)
+    cu = torch.empty(0 if N is None else N + 1, dtype=torch.int32)
+    assert state._split_backward_pays(v, cu) == split
 
 
 def test_forbid_pytorch_stages_replaces_and_restores():

@@ -1,9 +1,12 @@
-"""GPU parity of the TileLang state-pass backward (csrc_tl/state_bwd.py) with its PyTorch stage.
+"""GPU parity of the TileLang state-pass backward with its PyTorch stage, both implementations:
+``single`` (csrc_tl/state_bwd.py, one kernel) and ``split`` (csrc_tl/state_bwd_split.py, the
+small-grid path: a reverse dh scan, then the per-chunk gradients from h and dh).
 
-The kernel is called directly (no torch dispatch): inputs are RWKV-7-shaped tensors pushed
-through the reference intra / WY / state forward stages on the GPU, outputs are compared with
-``chunk_state_bwd_reference`` by RMS(err)/RMS(ref) per output, and must be finite everywhere
-(outputs are pre-filled with NaN, so a row the kernel forgets to write fails too).
+The kernels are called directly, in order, as the op does (no torch dispatch): inputs are
+RWKV-7-shaped tensors pushed through the reference intra / WY / state forward stages on the
+GPU, outputs are compared with ``chunk_state_bwd_reference`` by RMS(err)/RMS(ref) per output,
+and must be finite everywhere (outputs and the split's dh workspace are pre-filled with NaN,
+so a row or chunk a kernel forgets to write fails too).
 """
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 tilelang = pytest.importorskip("tilelang")
 
 from csrc_tl import compile as tlc  # noqa: E402
-from csrc_tl import state_bwd  # noqa: E402
+from csrc_tl import state_bwd, state_bwd_split  # noqa: E402
 from torch_dplr.ops.intra import chunk_intra_fwd_reference  # noqa: E402
 from torch_dplr.ops.shapes import state_bwd_shapes  # noqa: E402
 from torch_dplr.ops.state import chunk_state_bwd_reference, chunk_state_fwd_reference  # noqa: E402
@@ -25,6 +28,12 @@ pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
 NAMES = ("dqg", "dkg", "dbg", "dw", "du", "dv", "dA_qk", "dA_qb", "dgl", "dh0")
+IMPLS = ("single", "split")
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    return request.param
 
 # RMS(err)/RMS(ref) bars. The kernel rounds its fp32 GEMM operands h, dh and dvn to the input
 # dtype once (emulated on the CPU: ~2.6e-3 bf16 / ~4e-4 fp16 on dqg/dkg/dbg/dw, ~1.5e-3 on
@@ -59,32 +68,46 @@ def _stage_inputs(B, T, H, K, C, dtype, gates, cu=None, seed=0):
                 v_new=v_new, do=do, dht=dht, h0=inp["initial_state"], cu=cu_t)
 
 
-def _run_kernel(x, C, use_dht, use_initial_state):
-    """Allocate the op's outputs (NaN-filled), launch the kernel on the flattened one-sequence-
-    list form (a rect batch as cu_seqlens [0, T, 2T, ...]), return the outputs."""
+def _run_kernel(x, C, use_dht, use_initial_state, impl):
+    """Allocate the op's outputs (NaN-filled), launch ``impl``'s kernels on the flattened
+    one-sequence-list form (a rect batch as cu_seqlens [0, T, 2T, ...]), return the outputs."""
     qg, v, gl, cu = x["qg"], x["v"], x["gl"], x["cu"]
     B, T, H, K = qg.shape
     V = v.shape[-1]
-    kernel = tlc.build(state_bwd.state_bwd_kernel, C=C, K=K, V=V, dtype=qg.dtype)
     outs = [torch.full(shape, float("nan"), dtype=dt, device=qg.device) for shape, dt in
             state_bwd_shapes(qg, x["kg"], x["bg"], x["w"], v, x["A_qk"], x["A_qb"], gl, x["h0"],
                              use_initial_state)]
+    dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 = outs
     tables = kernel_tables(cu, B, T, C, qg.device)
     dht = x["dht"] if use_dht else gl.new_empty(0, H, K, V)
-    dh0 = outs[9].view(-1, H, K, V)  # (0, H, K, V) when absent
-    inputs = (qg, x["kg"], x["bg"], x["w"], v, x["A_qk"], x["A_qb"], gl, x["h"], x["v_new"], x["do"])
-    kernel(*map(flat, inputs), dht, tables.cu_seqlens, tables.chunk_offsets,
-           *map(flat, outs[:9]), dh0)
+    dh0 = dh0.view(-1, H, K, V)  # (0, H, K, V) when absent
+    if impl == "single":
+        kernel = tlc.build(state_bwd.state_bwd_kernel, C=C, K=K, V=V, dtype=qg.dtype)
+        inputs = (qg, x["kg"], x["bg"], x["w"], v, x["A_qk"], x["A_qb"], gl, x["h"], x["v_new"],
+                  x["do"])
+        kernel(*map(flat, inputs), dht, tables.cu_seqlens, tables.chunk_offsets,
+               *map(flat, outs[:9]), dh0)
+        return outs
+    dh_scan, chunk_grads = (tlc.build(state_bwd_split.state_bwd_split_kernel, C=C, K=K, V=V,
+                                      dtype=qg.dtype, stage=stage)
+                            for stage in state_bwd_split.STAGES)
+    dh = torch.full(x["h"].shape, float("nan"), device=qg.device)
+    dh_scan(*map(flat, (qg, x["bg"], x["w"], x["A_qb"], gl, x["do"])), dht, tables.cu_seqlens,
+            tables.chunk_offsets, flat(du), flat(dh), dh0)
+    chunk_grads(*map(flat, (x["kg"], v, x["A_qk"], gl, x["h"], x["v_new"], x["do"], du, dh)),
+                tables.chunk_start, tables.chunk_len,
+                *map(flat, (dqg, dkg, dbg, dw, dv, dA_qk, dA_qb, dgl)))
     return outs
 
 
-def _check(B, T, H, K, C, dtype, gates, cu=None, use_dht=True, use_initial_state=True, seed=0):
+def _check(B, T, H, K, C, dtype, gates, impl, cu=None, use_dht=True, use_initial_state=True,
+           seed=0):
     x = _stage_inputs(B, T, H, K, C, dtype, gates, cu, seed)
     dht_arg = x["dht"] if use_dht else x["gl"].new_zeros(0)
     ref = chunk_state_bwd_reference(x["qg"], x["kg"], x["bg"], x["w"], x["v"], x["A_qk"], x["A_qb"],
                                     x["gl"], x["h"], x["v_new"], x["do"], dht_arg, x["h0"], x["cu"],
                                     C, use_initial_state, use_dht)
-    out = _run_kernel(x, C, use_dht, use_initial_state)
+    out = _run_kernel(x, C, use_dht, use_initial_state, impl)
     if out[0].is_cuda:
         torch.cuda.synchronize()
     tol = TOLERANCES[dtype]
@@ -121,17 +144,17 @@ def _chunk_pos(T, C, cu):
 # ---- real sizes -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gates", ["rwkv7", "unbounded"])
-def test_real_size_b1(gates):
-    _check(1, 2048, 16, 128, 64, torch.bfloat16, gates)
+def test_real_size_b1(gates, impl):
+    _check(1, 2048, 16, 128, 64, torch.bfloat16, gates, impl)
 
 
-def test_real_size_b2():
-    _check(2, 4096, 32, 128, 64, torch.bfloat16, "rwkv7", seed=1)
+def test_real_size_b2(impl):
+    _check(2, 4096, 32, 128, 64, torch.bfloat16, "rwkv7", impl, seed=1)
 
 
-def test_real_size_varlen():
+def test_real_size_varlen(impl):
     # a 1-token sequence, an empty one, a long one, and a ragged tail
-    _check(1, 4096, 16, 128, 64, torch.bfloat16, "saturated", cu=[0, 1, 1, 3000, 4096])
+    _check(1, 4096, 16, 128, 64, torch.bfloat16, "saturated", impl, cu=[0, 1, 1, 3000, 4096])
 
 
 # ---- every config at small odd sizes ----------------------------------------------------
@@ -141,41 +164,43 @@ _SMALL = [(C, K, dt) for C in state_bwd.CHUNK_SIZES for K in state_bwd.HEAD_DIMS
 
 
 @pytest.mark.parametrize("C,K,dtype", _SMALL, ids=lambda p: str(p).replace("torch.", ""))
-def test_small_rect(C, K, dtype):
+def test_small_rect(C, K, dtype, impl):
     gates = ("rwkv7", "saturated", "unbounded")[(C // 16 + K // 64) % 3]
-    _check(2, 300, 3, K, C, dtype, gates, use_dht=True, use_initial_state=True, seed=C + K)
+    _check(2, 300, 3, K, C, dtype, gates, impl, use_dht=True, use_initial_state=True, seed=C + K)
 
 
 @pytest.mark.parametrize("C,K,dtype", _SMALL, ids=lambda p: str(p).replace("torch.", ""))
-def test_small_varlen(C, K, dtype):
+def test_small_varlen(C, K, dtype, impl):
     gates = ("unbounded", "rwkv7", "saturated")[(C // 16 + K // 64) % 3]
-    _check(1, 301, 3, K, C, dtype, gates, cu=[0, 1, 1, C + 1, 2 * C, 301], use_dht=True,
+    _check(1, 301, 3, K, C, dtype, gates, impl, cu=[0, 1, 1, C + 1, 2 * C, 301], use_dht=True,
            use_initial_state=True, seed=C + K + 1)
 
 
 @pytest.mark.parametrize("use_dht,use_initial_state", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_flags(use_dht, use_initial_state, varlen):
+def test_flags(use_dht, use_initial_state, varlen, impl):
     cu = [0, 77, 77, 200] if varlen else None
-    _check(1, 200, 4, 64, 32, torch.bfloat16, "rwkv7", cu=cu, use_dht=use_dht,
+    _check(1, 200, 4, 64, 32, torch.bfloat16, "rwkv7", impl, cu=cu, use_dht=use_dht,
            use_initial_state=use_initial_state)
 
 
-def test_single_short_sequence():
+def test_single_short_sequence(impl):
     # T < C: one partial chunk per sequence, nothing prefetched
-    _check(2, 5, 2, 128, 64, torch.bfloat16, "unbounded")
+    _check(2, 5, 2, 128, 64, torch.bfloat16, "unbounded", impl)
 
 
 def test_configs_are_variants():
     # every config this file builds is one the CI compile test builds
     built = [dict(C=C, K=K, V=K, dtype=str(dt).replace("torch.", "")) for C, K, dt in _SMALL]
     assert all(cfg in list(state_bwd.variants()) for cfg in built)
+    split = [dict(cfg, stage=stage) for cfg in built for stage in state_bwd_split.STAGES]
+    assert all(cfg in list(state_bwd_split.variants()) for cfg in split)
 
 
-def test_deterministic():
+def test_deterministic(impl):
     # no atomics: two launches give bitwise-equal outputs (opcheck's aot test relies on it)
     x = _stage_inputs(1, 1000, 8, 128, 64, torch.bfloat16, "rwkv7", cu=[0, 10, 1000])
-    a = _run_kernel(x, 64, True, True)
-    b = _run_kernel(x, 64, True, True)
+    a = _run_kernel(x, 64, True, True, impl)
+    b = _run_kernel(x, 64, True, True, impl)
     for name, p, q in zip(NAMES, a, b):
         assert torch.equal(p, q), name

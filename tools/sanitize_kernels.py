@@ -5,9 +5,11 @@
 
 Covers the six kernels (intra fwd/bwd in both gate schemes, WY fwd/bwd, state fwd/bwd) at
 K = V = 64 and 128 and chunk 16 and 64, rect with state and varlen (empty and 1-token
-sequences, a partial last chunk) without, through the public op (forward + backward), then
-the fused no-grad forward (C = K = V = 64) rect with state and varlen, with enough (sequence,
-head) pairs for it to apply; fails if any stage fell back to its PyTorch kernel.
+sequences, a partial last chunk) without, through the public op (forward + backward), each on
+a small grid (2 heads: the state backward runs its split kernels) and on one with as many
+(sequence, head) pairs as SMs (its single kernel); then the fused no-grad forward
+(C = K = V = 64) rect with state and varlen, with enough pairs for it to apply; fails if any
+stage fell back to its PyTorch kernel.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import torch_dplr
 from torch_dplr.testing import RWKV7_BOUND, forbid_pytorch_stages, make_inputs
 
 
-def run(C, K, bounded, varlen):
-    inp = make_inputs(1 if varlen else 2, 150, 2, K, dtype=torch.bfloat16, device="cuda",
+def run(C, K, bounded, varlen, H):
+    inp = make_inputs(1 if varlen else 2, 150, H, K, dtype=torch.bfloat16, device="cuda",
                       gates="rwkv7" if bounded else "unbounded", num_states=2)
     names = ["q", "k", "v", "a", "b", "gk"] + ([] if varlen else ["initial_state"])
     leaves = {n: inp[n].requires_grad_() for n in names}
@@ -55,12 +57,16 @@ def run_fused(varlen):
 
 
 def main() -> int:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     with forbid_pytorch_stages():
         for C in (16, 64):
             for K in (64, 128):
                 for bounded, varlen in ((True, False), (False, True)):
-                    run(C, K, bounded, varlen)
-                    print(f"ran C={C} K={K} bounded={bounded} varlen={varlen}", flush=True)
+                    # 2 heads: the split state backward; 2 sequences x sms heads: the single one
+                    for H in (2, sms):
+                        run(C, K, bounded, varlen, H)
+                        print(f"ran C={C} K={K} bounded={bounded} varlen={varlen} H={H}",
+                              flush=True)
         for varlen in (False, True):
             run_fused(varlen)
             print(f"ran fused forward varlen={varlen}", flush=True)

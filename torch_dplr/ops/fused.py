@@ -12,7 +12,6 @@ is not differentiable: ``torch_dplr`` calls it only when no input requires grad,
 registered backward raises.
 """
 
-import functools
 
 import torch
 from torch import Tensor
@@ -22,15 +21,10 @@ from .intra import chunk_intra_fwd_reference
 from .kernels import kernel_for, pipeline
 from .shapes import allocate, fused_fwd_shapes, num_sequences
 from .state import chunk_state_fwd_reference
-from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply
+from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply, sm_count
 from .varlen import as_one_sequence_list as flat
 from .varlen import kernel_tables
 from .wy import chunk_wy_fwd_reference
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def fused_kernel_applies(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, chunk_size: int,
@@ -52,7 +46,7 @@ def fused_kernel_applies(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, c
         return False
     # TileLang is importable from here on (kernels_apply checked it)
     return ("fused_fwd" in pipeline(chunk_size, K, V, q.dtype, gk.dtype, lower_bound)
-            and num_seqs * H >= _sm_count(device_index(q.device)))
+            and num_seqs * H >= sm_count(device_index(q.device)))
 
 
 def fused_kernel(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, chunk_size: int,

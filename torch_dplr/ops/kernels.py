@@ -1,16 +1,17 @@
 """Which TileLang kernel runs an op call, and compiling a call's kernels before first use.
 
 :func:`pipeline` maps the static facts of a call (chunk size, head dims, dtypes, declared gate
-bound) to the kernels (factory + config) of that configuration: the six stage kernels, plus the
-fused no-grad forward where it is built (:func:`_fused_fwd_built`); :func:`kernel_for` returns
-one of them compiled.  The first call that needs a stage kernel not yet in memory compiles
-the six stage kernels of the whole forward+backward pipeline at once, in parallel processes,
-with a progress line per kernel on stderr (``TORCH_DPLR_QUIET=1`` silences it); the fused
-no-grad forward is compiled on its own when a no-grad call first needs it (training never waits
-for it).  Later calls, other batch sizes, lengths and varlen layouts reuse them (every size is
-symbolic in the kernels).  A kernel that cannot be built leaves its op on the PyTorch kernel (the
-fused forward: on the stage kernels), with one warning.  :func:`precompile` compiles a
-configuration ahead of time.
+bound) to the kernels (factory + config) of that configuration: the six stage kernels, the two
+kernels of the small-grid state backward, and the fused no-grad forward where it is built
+(:func:`_fused_fwd_built`); :func:`kernel_for` returns one of them compiled.  The first call
+that needs a stage kernel not yet in memory compiles the six stage kernels of the whole
+forward+backward pipeline at once, in parallel processes, with a progress line per kernel on
+stderr (``TORCH_DPLR_QUIET=1`` silences it); the fused no-grad forward and the small-grid state
+backward are compiled when a call first needs them (:data:`ON_DEMAND`: most calls never wait
+for them).  Later calls, other batch sizes, lengths and varlen layouts reuse them (every size
+is symbolic in the kernels).  A kernel that cannot be built leaves its op on the PyTorch kernel
+(the fused forward: on the stage kernels; the small-grid state backward: on the single state
+backward kernel), with one warning.  :func:`precompile` compiles a configuration ahead of time.
 """
 from __future__ import annotations
 
@@ -57,10 +58,13 @@ def _fused_fwd_built(chunk_size: int, K: int, V: int, dtype: torch.dtype,
 @functools.lru_cache(maxsize=None)
 def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: torch.dtype,
              lower_bound: float) -> dict[str, tuple]:
-    """``{op name: (factory, config)}`` for the six stage kernels of one configuration, and
-    ``"fused_fwd"`` where it is built (the gate dtype must then be fp32 or ``dtype``)."""
-    intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd = map(
-        _family, ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd"))
+    """``{kernel name: (factory, config)}`` for the six stage kernels of one configuration
+    (named after their ops), the small-grid state backward's ``"state_bwd_dh"`` and
+    ``"state_bwd_grads"``, and ``"fused_fwd"`` where it is built (the gate dtype must then be
+    fp32 or ``dtype``)."""
+    intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd, state_bwd_split = map(
+        _family, ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd",
+                  "state_bwd_split"))
     C, dt, gdt = chunk_size, _name(dtype), _name(gate_dtype)
     kernels = {
         "intra_fwd": (intra_fwd.intra_fwd_kernel,
@@ -73,6 +77,11 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
         "wy_bwd": (wy_bwd.wy_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "state_fwd": (state_fwd.state_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "state_bwd": (state_bwd.state_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
+        # chunk_state_bwd on grids with fewer (sequence, head) pairs than SMs (ops/state.py)
+        "state_bwd_dh": (state_bwd_split.state_bwd_split_kernel,
+                         dict(C=C, K=K, V=V, dtype=dt, stage="dh")),
+        "state_bwd_grads": (state_bwd_split.state_bwd_split_kernel,
+                            dict(C=C, K=K, V=V, dtype=dt, stage="grads")),
     }
     if _fused_fwd_built(C, K, V, dtype, lower_bound) and gdt in ("float32", dt):
         kernels["fused_fwd"] = (_family("fused_fwd").fused_fwd_kernel,
@@ -85,7 +94,10 @@ def _progress(line: str) -> None:
         print(f"torch_dplr: {line}", file=sys.stderr, flush=True)
 
 
-NO_GRAD_ONLY = ("fused_fwd",)  # kernels a training call never runs
+# Kernels that only some calls run, each group compiled when a call first needs it rather
+# than with the stage kernels: the fused no-grad forward (training never runs it) and the
+# small-grid state backward (most training calls never run it).
+ON_DEMAND = (("fused_fwd",), ("state_bwd_dh", "state_bwd_grads"))
 
 
 def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
@@ -107,12 +119,20 @@ def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
             _ready.add((key, ops))
 
 
+# what runs when an ON_DEMAND kernel cannot be built (the warning says it)
+_FALLBACK = {"fused_fwd": "the stage kernels run",
+             "state_bwd_dh": "the single state backward kernel runs",
+             "state_bwd_grads": "the single state backward kernel runs"}
+
+
 def _group_of(op: str, kernels: dict) -> tuple[str, ...]:
-    """The kernels compiled together with ``op`` on first use: the stage kernels of the whole
-    forward+backward (a training step needs them all), or a no-grad-only kernel alone."""
-    if op in NO_GRAD_ONLY:
-        return (op,)
-    return tuple(name for name in kernels if name not in NO_GRAD_ONLY)
+    """The kernels compiled together with ``op`` on first use: its :data:`ON_DEMAND` group, or
+    else the stage kernels of the whole forward+backward (a training step needs them all)."""
+    for group in ON_DEMAND:
+        if op in group:
+            return tuple(name for name in group if name in kernels)
+    on_demand = {name for group in ON_DEMAND for name in group}
+    return tuple(name for name in kernels if name not in on_demand)
 
 
 def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
@@ -140,7 +160,7 @@ def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
                     pass  # another kernel of the pipeline failed: this op may still have its own
             kernel = csrc_tl.build(factory, **config)
         except Exception as exc:  # noqa: BLE001 (any build failure: fall back, loudly once)
-            instead = "the stage kernels run" if op == "fused_fwd" else "this op runs its PyTorch kernel"
+            instead = _FALLBACK.get(op, "this op runs its PyTorch kernel")
             warnings.warn(f"torch_dplr: the TileLang kernel {op} for chunk_size={chunk_size}, "
                           f"K={K}, V={V}, {dtype} could not be built ({type(exc).__name__}: "
                           f"{exc}); {instead} instead", RuntimeWarning, stacklevel=2)

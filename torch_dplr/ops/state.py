@@ -4,7 +4,11 @@ The forward makes ``o`` and the final state in one sweep, and (when ``keep_activ
 the per-chunk start states ``h`` and ``v_new`` that the backward reads; without it those two
 are size-0 (a no-grad call writes nothing it does not need).  ``h`` and ``v_new`` are
 auxiliary outputs for the backward, marked non-differentiable.  The backward is one reverse
-sweep: ``dh`` (the gradient of the state at a chunk's end) is carried, never stored.
+sweep: ``dh`` (the gradient of the state at a chunk's end) is carried.  On the GPU one kernel
+does it (one CTA per (sequence, head), ``dh`` never stored) when those pairs fill the SMs;
+with fewer pairs two kernels do (``csrc_tl/state_bwd_split.py``): a reverse scan split over V
+that writes ``dh`` per chunk into an fp32 workspace laid out like ``h``, then a kernel over
+chunks, in parallel, that makes the other gradients from ``h`` and ``dh``.
 """
 
 import torch
@@ -14,7 +18,7 @@ from ..reference import state as ref
 from .chunked import ChunkedView, start_state, without_autocast
 from .shapes import allocate, num_sequences, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
-from .tilelang_path import MAX_GRID_YZ, kernels_apply
+from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply, sm_count
 from .varlen import as_one_sequence_list as flat
 from .varlen import kernel_tables
 
@@ -22,6 +26,12 @@ from .varlen import kernel_tables
 def _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) -> bool:
     # one CTA row per sequence on grid y / z (read from shapes: no host sync)
     return num_sequences(v, cu_seqlens) <= MAX_GRID_YZ and kernels_apply(v, chunk_size, K, V)
+
+
+def _split_backward_pays(v, cu_seqlens) -> bool:
+    """Fewer (sequence, head) pairs than SMs: the single backward kernel's serial walks would
+    leave most SMs idle, the split one gives its scan V/BV times the CTAs.  Shapes only."""
+    return num_sequences(v, cu_seqlens) * v.shape[2] < sm_count(device_index(v.device))
 
 
 @without_autocast
@@ -117,20 +127,36 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
       use_initial_state, use_dht):
     B, T, H, K = qg.shape
     V = v.shape[-1]
-    kernel = (kernel_for("state_bwd", chunk_size, K, V, v.dtype)
-              if _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) else None)
-    if kernel is None:
-        return chunk_state_bwd_reference(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
-                                         initial_state, cu_seqlens, chunk_size,
-                                         use_initial_state, use_dht)
+    reference = (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens,
+                 chunk_size, use_initial_state, use_dht)
+    if not _state_kernel_applies(v, cu_seqlens, chunk_size, K, V):
+        return chunk_state_bwd_reference(*reference)
+    dh_scan, chunk_grads = ((kernel_for("state_bwd_dh", chunk_size, K, V, v.dtype),
+                             kernel_for("state_bwd_grads", chunk_size, K, V, v.dtype))
+                            if _split_backward_pays(v, cu_seqlens) else (None, None))
+    single = None
+    if dh_scan is None or chunk_grads is None:  # a large grid, or the split could not be built
+        single = kernel_for("state_bwd", chunk_size, K, V, v.dtype)
+        if single is None:
+            return chunk_state_bwd_reference(*reference)
     outs = allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
                                      use_initial_state), v.device)
+    dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 = outs
     tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
-    # dht / dh0 with no rows tell the kernel to start from zero / not to write dh0
-    dht4 = dht.float().reshape(-1, H, K, V) if use_dht else gl.new_empty(0, H, K, V)
-    inputs = map(flat, (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do))
-    kernel(*inputs, dht4.contiguous(), tables.cu_seqlens, tables.chunk_offsets,
-           *map(flat, outs[:9]), outs[9].view(-1, H, K, V))
+    # dht / dh0 with no rows tell the kernels to start from zero / not to write dh0
+    dht4 = dht.float().reshape(-1, H, K, V).contiguous() if use_dht else gl.new_empty(0, H, K, V)
+    dh0 = dh0.view(-1, H, K, V)
+    if single is not None:
+        inputs = map(flat, (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do))
+        single(*inputs, dht4, tables.cu_seqlens, tables.chunk_offsets, *map(flat, outs[:9]), dh0)
+        return outs
+    # the gradient of the state at each chunk's end, fp32, laid out like h (slots never
+    # written are never read: unused varlen slots have chunk_len 0)
+    dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    dh_scan(*map(flat, (qg, bg, w, A_qb, gl, do)), dht4, tables.cu_seqlens,
+            tables.chunk_offsets, flat(du), flat(dh), dh0)
+    chunk_grads(*map(flat, (kg, v, A_qk, gl, h, v_new, do, du, dh)), tables.chunk_start,
+                tables.chunk_len, *map(flat, (dqg, dkg, dbg, dw, dv, dA_qk, dA_qb, dgl)))
     return outs
 
 

@@ -27,6 +27,12 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (132 on the H200)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def tilelang_usable(device: torch.device) -> bool:
     if os.environ.get("TORCH_DPLR_DISABLE_TILELANG") == "1":
         return False
