@@ -77,7 +77,7 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
         "wy_bwd": (wy_bwd.wy_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "state_fwd": (state_fwd.state_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "state_bwd": (state_bwd.state_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
-        # chunk_state_bwd on grids with fewer (sequence, head) pairs than SMs (ops/state.py)
+        # chunk_state_bwd on grids of at most SMs/4 (sequence, head) pairs (ops/state.py)
         "state_bwd_dh": (state_bwd_split.state_bwd_split_kernel,
                          dict(C=C, K=K, V=V, dtype=dt, stage="dh")),
         "state_bwd_grads": (state_bwd_split.state_bwd_split_kernel,
