@@ -19,7 +19,9 @@
 #   4. when every shard is done: the shards' JSON lines concatenated into h200.json, and the
 #      report (h200.md, h200.png) in $OUT
 # Each call waits until the envelope is done or CALL_S seconds (default 540) have passed, then
-# leaves the state folder (logs, partial JSON) in $OUT/envelope.tgz.
+# leaves the state folder (logs, partial JSON and, once the shards run, FLA's autotune choices
+# as fla_cache.tar.xz: carry it next time with FLA_CACHE=... tools/pack_gpu_bundle.sh) in
+# $OUT/envelope.tgz.
 set -u
 t0=$(date +%s)
 source tools/gpu_setup.sh
@@ -105,7 +107,13 @@ while true; do
     save_fla_cache "$W/fla_cache.tar.xz"
     break
   fi
-  if [ $((now - t0)) -ge "$CALL_S" ]; then echo "call time up; run this script again"; break; fi
+  if [ $((now - t0)) -ge "$CALL_S" ]; then
+    echo "call time up; run this script again"
+    # FLA's autotune choices so far (a second of one core: small against the shards' timing
+    # noise), so that a device budget that ends before the shards do still keeps them
+    [ -f "$W/shard0.started" ] && save_fla_cache "$W/fla_cache.tar.xz"
+    break
+  fi
   if [ $((now - last_report)) -ge 60 ]; then
     last_report=$now
     echo "[$((now - t0)) s] prewarm: $(tail -1 "$W/prewarm.log" 2>/dev/null | cut -c1-150)"
