@@ -1,8 +1,10 @@
 """Per-kernel device time of one torch_dplr call at a benchmark shape (torch.profiler).
 
 Prints, for a no-grad forward and a forward+backward, every CUDA kernel's total time and call
-count, the host time of the call, and writes the tables as JSON lines when --out is given.
-Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64] [--out f.jsonl]
+count, the host time of the call and the host operations that took most of it (self CPU time:
+custom-op dispatch, table building, launches), and writes the tables as JSON lines when --out
+is given.  ``--N`` packs ``N`` varlen sequences into ``B = 1`` rows of ``T`` tokens.
+Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64 --N 64] [--out f.jsonl]
 """
 from __future__ import annotations
 
@@ -19,37 +21,55 @@ from benchmarks.cells import Shape
 from benchmarks.inputs import make
 
 
+def _sync():
+    if torch.cuda.is_available():
+        _sync()
+
+
 def run(step, label, out):
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     step()
     host_ms = (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()
+    _sync()
     wall_ms = (time.perf_counter() - t0) * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as prof:
         step()
-        torch.cuda.synchronize()
+        _sync()
+    events = prof.key_averages()
     rows = [dict(kernel=e.key[:90], device_ms=e.device_time_total / 1e3, calls=e.count)
-            for e in prof.key_averages() if e.device_time_total > 0]
+            for e in events if e.device_time_total > 0]
     rows.sort(key=lambda r: -r["device_ms"])
+    # host: self CPU time per operation (the profiler's own overhead inflates these a little)
+    host = [dict(op=e.key[:90], self_cpu_ms=e.self_cpu_time_total / 1e3, calls=e.count)
+            for e in events if e.self_cpu_time_total > 0]
+    host.sort(key=lambda r: -r["self_cpu_ms"])
     print(f"== {label}: host {host_ms:.2f} ms (launch, no sync), wall {wall_ms:.2f} ms")
     for r in rows[:25]:
         print(f"  {r['device_ms']:8.3f} ms  x{r['calls']:<3d} {r['kernel']}")
+    print("  host, self CPU time:")
+    for r in host[:15]:
+        print(f"  {r['self_cpu_ms']:8.3f} ms  x{r['calls']:<3d} {r['op']}")
     if out:
-        out.write(json.dumps(dict(label=label, host_ms=host_ms, wall_ms=wall_ms, rows=rows)) + "\n")
+        out.write(json.dumps(dict(label=label, host_ms=host_ms, wall_ms=wall_ms, rows=rows,
+                                  host=host)) + "\n")
 
 
 def main():
     p = argparse.ArgumentParser()
-    for n, d in (("B", 8), ("T", 4096), ("H", 32), ("D", 64), ("chunk", 64)):
+    for n, d in (("B", 8), ("T", 4096), ("H", 32), ("D", 64), ("chunk", 64), ("N", None)):
         p.add_argument(f"--{n}", type=int, default=d)
     p.add_argument("--out")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     args = p.parse_args()
-    inp = make(Shape(args.B, args.T, args.H, args.D), "rwkv7", "cuda")
+    shape = Shape(args.B, args.T, args.H, args.D, args.N)
+    inp = make(shape, "rwkv7", args.device)
     kw = dict(chunk_size=args.chunk, lower_bound=RWKV7_BOUND, output_final_state=True,
-              initial_state=inp.h0)
+              initial_state=inp.h0, cu_seqlens=inp.cu_seqlens,
+              cu_seqlens_cpu=inp.cu_seqlens_cpu)
     out = open(args.out, "w") if args.out else None
     fn = torch_dplr.chunk_dplr_delta_rule
 
@@ -65,8 +85,8 @@ def main():
         o, ht = fn(*leaves, **kw)
         torch.autograd.backward((o, ht), (inp.do, inp.dht))
 
-    run(fwd, f"fwd B{args.B} T{args.T} H{args.H} D{args.D} c{args.chunk}", out)
-    run(fwd_bwd, f"fwd_bwd B{args.B} T{args.T} H{args.H} D{args.D} c{args.chunk}", out)
+    run(fwd, f"fwd {shape.label} c{args.chunk}", out)
+    run(fwd_bwd, f"fwd_bwd {shape.label} c{args.chunk}", out)
     if out:
         out.close()
 
