@@ -17,7 +17,6 @@ load from disk).  In order it times, each synchronized on the host clock:
   must compile nothing (a few ms when it holds, seconds when something recompiles).
 
     python -m benchmarks.first_call --device cuda --shape 8,4096,32,64 --chunk-size 64
-    python -m benchmarks.first_call --cprofile first.prof   # where the first call's host time goes
 """
 from __future__ import annotations
 
@@ -66,9 +65,7 @@ def new_layouts(shape: Shape) -> tuple[Shape, Shape]:
             Shape(1, shape.T // 2, shape.H, shape.D, N=5))
 
 
-def measure(shape: Shape, chunk_size: int, gates: str, device, cprofile: str | None = None) -> dict:
-    """``cprofile``: also write cProfile stats of the first forward+backward to that path (the
-    call's time then includes the profiler's overhead)."""
+def measure(shape: Shape, chunk_size: int, gates: str, device) -> dict:
     device = torch.device(device)
     fwd_bwd, fwd = _steps(shape, chunk_size, gates, device)
     from torch_dplr.ops import kernels
@@ -77,13 +74,7 @@ def measure(shape: Shape, chunk_size: int, gates: str, device, cprofile: str | N
     start = time.perf_counter()
     importlib.import_module("torch._dynamo")  # see the module doc: PyTorch's cost, not ours
     result["dynamo_import_s"] = round(time.perf_counter() - start, 3)
-    if cprofile:
-        import cProfile
-        profiler = cProfile.Profile()
-        result["fwd_bwd_s"] = round(_timed(lambda: profiler.runcall(fwd_bwd), device), 3)
-        profiler.dump_stats(cprofile)
-    else:
-        result["fwd_bwd_s"] = round(_timed(fwd_bwd, device), 3)
+    result["fwd_bwd_s"] = round(_timed(fwd_bwd, device), 3)
     result["kernels_s"] = round(kernels.seconds_getting_kernels(), 3)
     result["fwd_s"] = round(_timed(fwd, device), 3)
     new = 0.0
@@ -101,12 +92,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="8,4096,32,64", help="B,T,H,D")
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--gates", default="rwkv7")
-    parser.add_argument("--cprofile", metavar="PATH",
-                        help="write cProfile stats of the first forward+backward here")
     args = parser.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
-    print(json.dumps(measure(Shape(B, T, H, D), args.chunk_size, args.gates, args.device,
-                             args.cprofile)), flush=True)
+    print(json.dumps(measure(Shape(B, T, H, D), args.chunk_size, args.gates, args.device)), flush=True)
     return 0
 
 

@@ -105,8 +105,22 @@ def test_state_backward_splits_on_grids_smaller_than_the_gpu(monkeypatch, B, H, 
     monkeypatch.setattr(state, "sm_count", lambda index: 132)
     monkeypatch.setattr(state, "device_index", lambda device: 0)
     v = torch.empty(B, 64, H, 64)
+    h = torch.empty(B, 1, H, 64, 64)
     cu = torch.empty(0 if N is None else N + 1, dtype=torch.int32)
-    assert state._split_backward_pays(v, cu) == split
+    assert state._split_backward_pays(v, h, cu) == split
+
+
+def test_state_backward_split_is_bounded_by_its_dh_buffer(monkeypatch):
+    """The split's fp32 dh buffer (h's shape) stays under SPLIT_DH_BYTES_MAX; a longer sequence
+    on a small grid runs the single kernel."""
+    from torch_dplr.ops import state
+
+    monkeypatch.setattr(state, "sm_count", lambda index: 132)
+    monkeypatch.setattr(state, "device_index", lambda device: 0)
+    v, cu = torch.empty(1, 64, 32, 64, device="meta"), torch.empty(0, dtype=torch.int32)
+    slots = state.SPLIT_DH_BYTES_MAX // (32 * 64 * 64 * 4)  # h [1, slots, 32, 64, 64] fp32
+    assert state._split_backward_pays(v, torch.empty(1, slots, 32, 64, 64, device="meta"), cu)
+    assert not state._split_backward_pays(v, torch.empty(1, slots + 1, 32, 64, 64, device="meta"), cu)
 
 
 def test_forbid_pytorch_stages_replaces_and_restores():

@@ -27,7 +27,7 @@ OP = "chunk_state_bwd"
 
 def _timed(cell, inp, timer, split: bool):
     chosen = state._split_backward_pays
-    state._split_backward_pays = lambda v, cu_seqlens: split
+    state._split_backward_pays = lambda *shapes: split
     try:
         call = stage_calls(cell, inp)[OP]
         return timer.measure(call).ms, call.outputs

@@ -10,7 +10,8 @@
 #      from the prewarm's compile workers would disturb), logged as alone.log
 #   2. in the background: the prewarm (benchmarks.prewarm: FLA's kernels and autotuning
 #      candidates, spread over every GPU) and, with TESTS="files", pytest on the last GPU;
-#      CHECKS="cmd" runs cmd there after the tests (e.g. compute-sanitizer), logged as tests.log.
+#      CHECKS="cmd" runs cmd there after the tests (e.g. compute-sanitizer), logged as tests.log;
+#      the job fails when either fails (for CHECKS: its last command's status).
 #      SIDE="cmd" runs cmd on GPU 0 meanwhile (e.g. tools/tune_knobs.py) and keeps the prewarm
 #      off GPU 0 (on a host of several GPUs), so that its timings have that GPU to themselves
 #   3. when all of them are done: one harness process per GPU (--shard i/n, --no-prewarm),
@@ -50,7 +51,9 @@ if [ ! -f "$W/first_call.done" ]; then
 fi
 if [ -n "${ALONE:-}" ] && [ ! -f "$W/alone.done" ]; then
   s=$(date +%s)
-  timeout 300 bash -c "$ALONE" > "$W/alone.log" 2>&1
+  left=$(( CALL_S - 30 - ($(date +%s) - t0) ))  # the call must still write envelope.tgz
+  [ "$left" -gt 300 ] && left=300
+  timeout "$((left > 10 ? left : 10))" bash -c "$ALONE" > "$W/alone.log" 2>&1
   echo $? > "$W/alone.done"
   echo "alone rc=$(cat "$W/alone.done") $(( $(date +%s) - s )) s"; tail -20 "$W/alone.log"
 fi
@@ -66,9 +69,11 @@ if [ ! -f "$W/prewarm.started" ]; then
     background prewarm timeout 1500 python3 -m benchmarks.prewarm
   fi
   if [ -n "${TESTS:-}${CHECKS:-}" ]; then
-    checks="true"
-    [ -n "${TESTS:-}" ] && checks="python3 -m pytest $TESTS -q -p no:cacheprovider -rfE"
-    [ -n "${CHECKS:-}" ] && checks="$checks; $CHECKS"
+    # both run whatever the other's outcome; the job fails if either does and says which
+    checks="t=0; c=0"
+    [ -n "${TESTS:-}" ] && checks="$checks; python3 -m pytest $TESTS -q -p no:cacheprovider -rfE; t=\$?"
+    [ -n "${CHECKS:-}" ] && checks="$checks; $CHECKS; c=\$?"
+    checks="$checks; echo \"tests rc=\$t, checks rc=\$c\"; [ \$t -eq 0 ] && [ \$c -eq 0 ]"
     CUDA_VISIBLE_DEVICES=$((NGPU - 1)) background tests timeout 1200 bash -c "$checks"
   fi
 fi
@@ -109,8 +114,9 @@ while true; do
   fi
   if [ $((now - t0)) -ge "$CALL_S" ]; then
     echo "call time up; run this script again"
-    # FLA's autotune choices so far (a second of one core: small against the shards' timing
-    # noise), so that a device budget that ends before the shards do still keeps them
+    # FLA's autotune choices so far, so that a device budget that ends before the shards do
+    # still keeps them; niced (this shell exits next), so the shards' timing keeps the CPUs
+    renice -n 19 $$ > /dev/null 2>&1
     [ -f "$W/shard0.started" ] && save_fla_cache "$W/fla_cache.tar.xz"
     break
   fi

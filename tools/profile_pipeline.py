@@ -3,8 +3,8 @@
 Prints, for a no-grad forward and a forward+backward, every CUDA kernel's total time and call
 count, the host time of the call and the host operations that took most of it (self CPU time:
 custom-op dispatch, table building, launches), and writes the tables as JSON lines when --out
-is given.  ``--N`` packs ``N`` varlen sequences into ``B = 1`` rows of ``T`` tokens.
-Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64 --N 64] [--out f.jsonl]
+is given.  ``--N`` packs ``N`` varlen sequences into one row of ``T`` tokens (``--B`` is then 1).
+Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64] [--N 64] [--out f.jsonl]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from benchmarks.inputs import make
 
 def _sync():
     if torch.cuda.is_available():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def run(step, label, out):
@@ -65,7 +65,7 @@ def main():
     p.add_argument("--out")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     args = p.parse_args()
-    shape = Shape(args.B, args.T, args.H, args.D, args.N)
+    shape = Shape(1 if args.N else args.B, args.T, args.H, args.D, args.N)
     inp = make(shape, "rwkv7", args.device)
     kw = dict(chunk_size=args.chunk, lower_bound=RWKV7_BOUND, output_final_state=True,
               initial_state=inp.h0, cu_seqlens=inp.cu_seqlens,

@@ -28,12 +28,20 @@ def _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) -> bool:
     return num_sequences(v, cu_seqlens) <= MAX_GRID_YZ and kernels_apply(v, chunk_size, K, V)
 
 
-def _split_backward_pays(v, cu_seqlens) -> bool:
-    """At most a quarter as many (sequence, head) pairs as SMs: the single backward kernel's
-    serial walks leave most SMs idle, the split one gives its scan V/BV times the CTAs.  On the
-    H200 (132 SMs, tools/ab_state_bwd.py) the split took 0.29 vs 0.62 ms at 16 pairs and 3.7 vs
-    9.2 ms at 32, but 1.58 vs 1.27 ms at 128 (D128) and lost at 256.  Shapes only."""
-    return 4 * num_sequences(v, cu_seqlens) * v.shape[2] <= sm_count(device_index(v.device))
+# The split kernels pass dh through an fp32 buffer the size of h: 2 GiB for one sequence of
+# 65536 tokens, H32 D64, chunk 16. Beyond this the single kernel runs (slower, no buffer).
+SPLIT_DH_BYTES_MAX = 4 << 30
+
+
+def _split_backward_pays(v, h, cu_seqlens) -> bool:
+    """At most a quarter as many (sequence, head) pairs as SMs, and a dh buffer (fp32, h's
+    shape) of at most :data:`SPLIT_DH_BYTES_MAX`: the single backward kernel's serial walks
+    leave most SMs idle, the split one gives its scan V/BV times the CTAs.  On the H200 (132
+    SMs, tools/ab_state_bwd.py, benchmarks/results/h200-notes.md) the split took 0.29 vs 0.62 ms
+    at 16 pairs and 3.7 vs 9.2 ms at 32, but 1.58 vs 1.27 ms at 128 (D128) and lost at 256; 64
+    pairs was not timed.  Shapes only."""
+    small_grid = 4 * num_sequences(v, cu_seqlens) * v.shape[2] <= sm_count(device_index(v.device))
+    return small_grid and h.numel() * 4 <= SPLIT_DH_BYTES_MAX
 
 
 @without_autocast
@@ -135,7 +143,7 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
         return chunk_state_bwd_reference(*reference)
     dh_scan, chunk_grads = ((kernel_for("state_bwd_dh", chunk_size, K, V, v.dtype),
                              kernel_for("state_bwd_grads", chunk_size, K, V, v.dtype))
-                            if _split_backward_pays(v, cu_seqlens) else (None, None))
+                            if _split_backward_pays(v, h, cu_seqlens) else (None, None))
     single = None
     if dh_scan is None or chunk_grads is None:  # a large grid, or the split could not be built
         single = kernel_for("state_bwd", chunk_size, K, V, v.dtype)
