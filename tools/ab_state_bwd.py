@@ -55,8 +55,9 @@ def main(argv=None) -> int:
                     for a, b in zip(single, split))
         pairs = shape.num_states * shape.H
         print(json.dumps({"shape": shape.label, "chunk": args.chunk, "pairs": pairs,
-                          "dispatch_picks_split": 4 * pairs <= sms, "single_ms": round(single_ms, 4),
-                          "split_ms": round(split_ms, 4), "agree": agree}), flush=True)
+                          "dispatch_picks_split": state.few_pairs(pairs, sms),
+                          "single_ms": round(single_ms, 4), "split_ms": round(split_ms, 4),
+                          "agree": agree}), flush=True)
         del inp
         torch.cuda.empty_cache()
     return 0

@@ -106,20 +106,9 @@ while true; do
     else
       echo "report failed: $(tail -1 "$W/report.log")"
     fi
-    # FLA's autotune choices, made here on the cells' real inputs (small; carried next time
-    # FLA tunes nothing and the prewarm compiles only the chosen configs). Only now: while
-    # shards time cells, this call adds no CPU load.
-    save_fla_cache "$W/fla_cache.tar.xz"
     break
   fi
-  if [ $((now - t0)) -ge "$CALL_S" ]; then
-    echo "call time up; run this script again"
-    # FLA's autotune choices so far, so that a device budget that ends before the shards do
-    # still keeps them; niced (this shell exits next), so the shards' timing keeps the CPUs
-    renice -n 19 $$ > /dev/null 2>&1
-    [ -f "$W/shard0.started" ] && save_fla_cache "$W/fla_cache.tar.xz"
-    break
-  fi
+  if [ $((now - t0)) -ge "$CALL_S" ]; then echo "call time up; run this script again"; break; fi
   if [ $((now - last_report)) -ge 60 ]; then
     last_report=$now
     echo "[$((now - t0)) s] prewarm: $(tail -1 "$W/prewarm.log" 2>/dev/null | cut -c1-150)"
@@ -127,5 +116,12 @@ while true; do
   fi
   sleep 5
 done
+if [ -f "$W/shard0.started" ]; then
+  # FLA's autotune choices so far, made on the cells' real inputs (carried next time, FLA tunes
+  # nothing and the prewarm compiles only the chosen configs), at every call's end so that a
+  # device budget that ends before the shards do keeps them; niced: shards may still be timing
+  renice -n 19 $$ > /dev/null 2>&1
+  save_fla_cache "$W/fla_cache.tar.xz"
+fi
 tar czf "$OUT/envelope.tgz" -C "$W" .  # logs and partial JSON (small: no load on the shards)
 echo "total $(( $(date +%s) - t0 )) s"

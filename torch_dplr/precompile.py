@@ -3,9 +3,10 @@
 Without options it compiles every kernel variant the library can run (172; a GPU host
 with 16 cores needs a few minutes, once); with ``--chunk-size``/``--head-dim``/``--dtype``
 only the kernels of that configuration (what first calls would compile: the six stage
-kernels, the small-grid state backward's two, and the fused no-grad forward where it applies).  Kernels land
-in TileLang's disk cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``).  No GPU is
-needed: a cache filled on a CPU machine with nvcc serves the H100/H200.
+kernels, the small-grid state backward's two, and the fused no-grad forward where it
+applies).  Kernels land in TileLang's disk cache (``TILELANG_CACHE_DIR``, default
+``~/.tilelang/cache``).  No GPU is needed: a cache filled on a CPU machine with nvcc serves
+the H100/H200.
 """
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ is not differentiable: ``torch_dplr`` calls it only when no input requires grad,
 registered backward raises.
 """
 
-
 import torch
 from torch import Tensor
 

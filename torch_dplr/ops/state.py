@@ -5,10 +5,10 @@ the per-chunk start states ``h`` and ``v_new`` that the backward reads; without 
 are size-0 (a no-grad call writes nothing it does not need).  ``h`` and ``v_new`` are
 auxiliary outputs for the backward, marked non-differentiable.  The backward is one reverse
 sweep: ``dh`` (the gradient of the state at a chunk's end) is carried.  On the GPU one kernel
-does it (one CTA per (sequence, head), ``dh`` never stored) when those pairs fill the SMs;
-with fewer pairs two kernels do (``csrc_tl/state_bwd_split.py``): a reverse scan split over V
-that writes ``dh`` per chunk into an fp32 workspace laid out like ``h``, then a kernel over
-chunks, in parallel, that makes the other gradients from ``h`` and ``dh``.
+does it (one CTA per (sequence, head), ``dh`` never stored); with few pairs
+(:func:`_split_backward_pays`) two kernels do (``csrc_tl/state_bwd_split.py``): a reverse scan
+split over V that writes ``dh`` per chunk into an fp32 workspace laid out like ``h``, then a
+kernel over chunks, in parallel, that makes the other gradients from ``h`` and ``dh``.
 """
 
 import torch
@@ -33,6 +33,12 @@ def _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) -> bool:
 SPLIT_DH_BYTES_MAX = 4 << 30
 
 
+def few_pairs(pairs: int, sms: int) -> bool:
+    """Whether (sequence, head) ``pairs`` leave the single backward kernel short of work on
+    ``sms`` SMs: at most a quarter as many pairs as SMs."""
+    return 4 * pairs <= sms
+
+
 def _split_backward_pays(v, h, cu_seqlens) -> bool:
     """At most a quarter as many (sequence, head) pairs as SMs, and a dh buffer (fp32, h's
     shape) of at most :data:`SPLIT_DH_BYTES_MAX`: the single backward kernel's serial walks
@@ -40,8 +46,9 @@ def _split_backward_pays(v, h, cu_seqlens) -> bool:
     SMs, tools/ab_state_bwd.py, benchmarks/results/h200-notes.md) the split took 0.29 vs 0.62 ms
     at 16 pairs and 3.7 vs 9.2 ms at 32, but 1.58 vs 1.27 ms at 128 (D128) and lost at 256; 64
     pairs was not timed.  Shapes only."""
-    small_grid = 4 * num_sequences(v, cu_seqlens) * v.shape[2] <= sm_count(device_index(v.device))
-    return small_grid and h.numel() * 4 <= SPLIT_DH_BYTES_MAX
+    pairs = num_sequences(v, cu_seqlens) * v.shape[2]
+    dh_bytes = h.numel() * 4
+    return few_pairs(pairs, sm_count(device_index(v.device))) and dh_bytes <= SPLIT_DH_BYTES_MAX
 
 
 @without_autocast
