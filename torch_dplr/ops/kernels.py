@@ -4,12 +4,14 @@
 bound) to the kernels (factory + config) of that configuration: the six stage kernels, the two
 kernels of the small-grid state backward, and the fused no-grad forward where it is built
 (:func:`_fused_fwd_built`); :func:`kernel_for` returns one of them compiled.  The first call
-that needs a stage kernel not yet in memory compiles the six stage kernels of the whole
+that needs a stage kernel not yet in memory compiles the kernels of the whole
 forward+backward pipeline at once, in parallel processes, with a progress line per kernel on
-stderr (``TORCH_DPLR_QUIET=1`` silences it); the fused no-grad forward and the small-grid state
-backward are compiled when a call first needs them (:data:`ON_DEMAND`: most calls never wait
-for them).  Later calls, other batch sizes, lengths and varlen layouts reuse them (every size
-is symbolic in the kernels).  A kernel that cannot be built leaves its op on the PyTorch kernel
+stderr (``TORCH_DPLR_QUIET=1`` silences it): the six stage kernels and the small-grid state
+backward's two, which only some batch sizes and layouts run, so that a later call at another
+size loads them but compiles nothing.  The fused no-grad forward is compiled when a call first
+needs it (:data:`ON_DEMAND`: training never runs it).  Every kernel is loaded by the op that
+runs it, when it first runs.  Later calls, other batch sizes, lengths and varlen layouts reuse
+them (every size is symbolic in the kernels).  A kernel that cannot be built leaves its op on the PyTorch kernel
 (the fused forward: on the stage kernels; the small-grid state backward: on the single state
 backward kernel), with one warning.  :func:`precompile` compiles a configuration ahead of time.
 """
@@ -94,10 +96,11 @@ def _progress(line: str) -> None:
         print(f"torch_dplr: {line}", file=sys.stderr, flush=True)
 
 
-# Kernels that only some calls run, each group compiled when a call first needs it rather
-# than with the stage kernels: the fused no-grad forward (training never runs it) and the
-# small-grid state backward (most training calls never run it).
-ON_DEMAND = (("fused_fwd",), ("state_bwd_dh", "state_bwd_grads"))
+# Kernels compiled when a call first needs them rather than with the training pipeline: the
+# fused no-grad forward (training never runs it).  The small-grid state backward compiles with
+# the stage kernels although few calls run it: which calls do depends on the batch size and
+# layout, and a new size must compile nothing.
+ON_DEMAND = (("fused_fwd",),)
 
 
 def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
@@ -119,7 +122,7 @@ def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
             _ready.add((key, ops))
 
 
-# what runs when an ON_DEMAND kernel cannot be built (the warning says it)
+# what runs instead when a kernel that is not a stage op's own cannot be built (the warning says it)
 _FALLBACK = {"fused_fwd": "the stage kernels run",
              "state_bwd_dh": "the single state backward kernel runs",
              "state_bwd_grads": "the single state backward kernel runs"}
@@ -127,7 +130,8 @@ _FALLBACK = {"fused_fwd": "the stage kernels run",
 
 def _group_of(op: str, kernels: dict) -> tuple[str, ...]:
     """The kernels compiled together with ``op`` on first use: its :data:`ON_DEMAND` group, or
-    else the stage kernels of the whole forward+backward (a training step needs them all)."""
+    else every kernel of the forward+backward (a training step needs the stage kernels; the
+    small-grid state backward's come along, see :data:`ON_DEMAND`)."""
     for group in ON_DEMAND:
         if op in group:
             return tuple(name for name in group if name in kernels)
