@@ -51,31 +51,46 @@ def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
         assert kernels.kernel_for("state_fwd", 64, 64, 64, torch.bfloat16) is None
 
 
+class _Recorder:
+    """Stands in for csrc_tl: records each parallel build (kernel names) and what is on disk;
+    kernels of the factories in ``failing`` fail to build."""
+
+    def __init__(self, failing=()):
+        self.compiled, self.disk, self.failing = [], set(), set(failing)
+
+    def in_memory(self, factory, **config):
+        return False
+
+    def on_disk(self, factory, **config):
+        return (factory.__name__, tuple(sorted(config.items()))) in self.disk
+
+    def build_all(self, items, **kwargs):
+        self.compiled.append(sorted(f.__name__.replace("_kernel", "") for f, _ in items))
+        self.disk.update((f.__name__, tuple(sorted(c.items()))) for f, c in items
+                            if f.__name__ not in self.failing)
+        if any(f.__name__ in self.failing for f, _ in items):
+            raise RuntimeError("1 kernel failed to build")
+
+    def build(self, factory, **config):
+        if factory.__name__ in self.failing:
+            raise RuntimeError("ptxas error")
+        return factory.__name__
+
+
+def _record_builds(monkeypatch, failing=()):
+    recorder = _Recorder(failing)
+    monkeypatch.setattr(kernels, "_csrc_tl", lambda: recorder)
+    monkeypatch.setattr(kernels, "_kernels", {})
+    monkeypatch.setattr(kernels, "_ready", set())
+    return recorder.compiled
+
+
 def test_first_use_compiles_the_training_kernels_together_and_the_fused_forward_alone(monkeypatch):
     """A training call's first op compiles the six stage kernels and the small-grid state
     backward's two at once (not the no-grad fused forward), so a later small grid compiles
     nothing; a WY / state op whose kernel is compiled on disk compiles nothing (not its default
     gate configuration's intra kernels); the fused forward compiles alone."""
-    compiled, on_disk = [], set()
-
-    class Recorder:
-        def in_memory(self, factory, **config):
-            return False
-
-        def on_disk(self, factory, **config):
-            return (factory.__name__, tuple(sorted(config.items()))) in on_disk
-
-        def build_all(self, items, **kwargs):
-            names = [factory.__name__.replace("_kernel", "") for factory, _ in items]
-            compiled.append(sorted(names))
-            on_disk.update((f.__name__, tuple(sorted(c.items()))) for f, c in items)
-
-        def build(self, factory, **config):
-            return factory.__name__
-
-    monkeypatch.setattr(kernels, "_csrc_tl", lambda: Recorder())
-    monkeypatch.setattr(kernels, "_kernels", {})
-    monkeypatch.setattr(kernels, "_ready", set())
+    compiled = _record_builds(monkeypatch)
     rwkv = (64, 64, 64, torch.bfloat16, torch.float32, -0.6065)
     assert kernels.kernel_for("intra_fwd", *rwkv) == "intra_fwd_kernel"
     assert compiled == [sorted(["intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd",
@@ -91,6 +106,26 @@ def test_first_use_compiles_the_training_kernels_together_and_the_fused_forward_
     assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) == split
     assert kernels.kernel_for("state_bwd_grads", 64, 64, 64, torch.bfloat16) == split
     assert len(compiled) == 2
+
+
+def test_an_op_that_does_not_see_the_gates_compiles_no_gate_kernels(monkeypatch):
+    """A state op first (a cache without its kernels): it asks under the default gates, so it
+    must not compile that configuration's intra kernels, only the gate-independent ones."""
+    compiled = _record_builds(monkeypatch)
+    assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) == "state_bwd_split_kernel"
+    assert compiled == [sorted(["wy_fwd", "wy_bwd", "state_fwd", "state_bwd", "state_bwd_split",
+                                "state_bwd_split"])]
+
+
+def test_a_split_kernel_that_fails_leaves_the_stage_kernels_and_the_single_backward(monkeypatch):
+    compiled = _record_builds(monkeypatch, failing={"state_bwd_split_kernel"})
+    rwkv = (64, 64, 64, torch.bfloat16, torch.float32, -0.6065)
+    assert kernels.kernel_for("intra_fwd", *rwkv) == "intra_fwd_kernel"
+    assert kernels.kernel_for("state_bwd", 64, 64, 64, torch.bfloat16) == "state_bwd_kernel"
+    with pytest.warns(RuntimeWarning, match="the single state backward kernel runs"):
+        assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) is None
+    # asked again under the default gates: (csrc_tl remembers the failure) no gate kernels
+    assert all(not set(names) & {"intra_fwd", "intra_bwd"} for names in compiled[1:])
 
 
 @pytest.mark.parametrize("B,H,N,split", [(8, 32, None, False), (4, 32, None, False),

@@ -4,16 +4,16 @@
 bound) to the kernels (factory + config) of that configuration: the six stage kernels, the two
 kernels of the small-grid state backward, and the fused no-grad forward where it is built
 (:func:`_fused_fwd_built`); :func:`kernel_for` returns one of them compiled.  The first call
-that needs a stage kernel not yet in memory compiles the kernels of the whole
+that needs a stage kernel neither in memory nor on disk compiles the kernels of the whole
 forward+backward pipeline at once, in parallel processes, with a progress line per kernel on
 stderr (``TORCH_DPLR_QUIET=1`` silences it): the six stage kernels and the small-grid state
 backward's two, which only some batch sizes and layouts run, so that a later call at another
 size loads them but compiles nothing.  The fused no-grad forward is compiled when a call first
 needs it (:data:`ON_DEMAND`: training never runs it).  Every kernel is loaded by the op that
 runs it, when it first runs.  Later calls, other batch sizes, lengths and varlen layouts reuse
-them (every size is symbolic in the kernels).  A kernel that cannot be built leaves its op on the PyTorch kernel
-(the fused forward: on the stage kernels; the small-grid state backward: on the single state
-backward kernel), with one warning.  :func:`precompile` compiles a configuration ahead of time.
+them (every size is symbolic in the kernels).  A kernel that cannot be built leaves its op on
+the PyTorch kernel (the fused forward: on the stage kernels; the small-grid state backward: on
+the single state backward kernel), with one warning.  :func:`precompile` compiles a configuration ahead of time.
 """
 from __future__ import annotations
 
@@ -101,6 +101,9 @@ def _progress(line: str) -> None:
 # the stage kernels although few calls run it: which calls do depends on the batch size and
 # layout, and a new size must compile nothing.
 ON_DEMAND = (("fused_fwd",),)
+# The kernels that depend on the gates (dtype, bound).  The other ops name the default gates
+# when they ask for a kernel (they don't see the gates), so they must never bring these along.
+GATE_KERNELS = ("intra_fwd", "intra_bwd")
 
 
 def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
@@ -131,12 +134,15 @@ _FALLBACK = {"fused_fwd": "the stage kernels run",
 def _group_of(op: str, kernels: dict) -> tuple[str, ...]:
     """The kernels compiled together with ``op`` on first use: its :data:`ON_DEMAND` group, or
     else every kernel of the forward+backward (a training step needs the stage kernels; the
-    small-grid state backward's come along, see :data:`ON_DEMAND`)."""
+    small-grid state backward's come along, see :data:`ON_DEMAND`), less the gate kernels when
+    ``op`` is not one of them (its ``kernels`` are those of the default gates, not the call's)."""
     for group in ON_DEMAND:
         if op in group:
             return tuple(name for name in group if name in kernels)
-    on_demand = {name for group in ON_DEMAND for name in group}
-    return tuple(name for name in kernels if name not in on_demand)
+    skip = {name for group in ON_DEMAND for name in group}
+    if op not in GATE_KERNELS:
+        skip.update(GATE_KERNELS)
+    return tuple(name for name in kernels if name not in skip)
 
 
 def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
