@@ -13,8 +13,9 @@ load from disk).  In order it times, each synchronized on the host clock:
   kernel a training step needs is built or loaded inside it; ``kernels_s``: the part of it
   spent compiling or loading kernels (TileLang import included);
 - ``fwd_s``: then a no-grad forward (which may use kernels of its own, e.g. a fused forward);
-- ``new_layout_s``: then forward+backward at a new B and T and at a new varlen layout, which
-  must compile nothing (a few ms when it holds, seconds when something recompiles).
+- ``new_layout_s``: then forward+backward at a new B and T, at a new varlen layout and at a
+  single sequence (a small grid), which must compile nothing (a few ms when it holds, seconds
+  when something recompiles).
 
     python -m benchmarks.first_call --device cuda --shape 8,4096,32,64 --chunk-size 64
 """
@@ -59,10 +60,13 @@ def _steps(shape: Shape, chunk_size: int, gates: str, device):
             calls.fwd_step(fn, inp, calls.call_kwargs(cell, inp)))
 
 
-def new_layouts(shape: Shape) -> tuple[Shape, Shape]:
-    """A rect shape with another B and T (not a chunk multiple) and a new varlen layout."""
+def new_layouts(shape: Shape) -> tuple[Shape, Shape, Shape]:
+    """A rect shape with another B and T (not a chunk multiple), a new varlen layout, and one
+    sequence: a small grid (H (sequence, head) pairs), which on the H200 runs the split state
+    backward (``ops.state.few_pairs``) at the envelope's H <= 32."""
     return (Shape(max(1, shape.B // 4), shape.T // 4 + 7, shape.H, shape.D),
-            Shape(1, shape.T // 2, shape.H, shape.D, N=5))
+            Shape(1, shape.T // 2, shape.H, shape.D, N=5),
+            Shape(1, shape.T // 8 + 3, shape.H, shape.D))
 
 
 def measure(shape: Shape, chunk_size: int, gates: str, device) -> dict:
