@@ -1,5 +1,6 @@
 """Which TileLang kernel a call selects (torch_dplr/ops/kernels.py), checked without a GPU."""
 import itertools
+import threading
 import warnings
 
 import pytest
@@ -80,32 +81,66 @@ class _Recorder:
 def _record_builds(monkeypatch, failing=()):
     recorder = _Recorder(failing)
     monkeypatch.setattr(kernels, "_csrc_tl", lambda: recorder)
-    monkeypatch.setattr(kernels, "_kernels", {})
-    monkeypatch.setattr(kernels, "_ready", set())
+    for name in ("_kernels", "_group_locks"):
+        monkeypatch.setattr(kernels, name, {})
+    for name in ("_ready", "_background_started"):
+        monkeypatch.setattr(kernels, name, set())
+    monkeypatch.setattr(kernels, "_background", [])
     return recorder.compiled
 
 
-def test_first_use_compiles_the_training_kernels_together_and_the_fused_forward_alone(monkeypatch):
-    """A training call's first op compiles the six stage kernels and the small-grid state
-    backward's two at once (not the no-grad fused forward), so a later small grid compiles
-    nothing; a WY / state op whose kernel is compiled on disk compiles nothing (not its default
-    gate configuration's intra kernels); the fused forward compiles alone."""
+RWKV = (64, 64, 64, torch.bfloat16, torch.float32, -0.6065)
+STAGES = sorted(["intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd"])
+SPLIT = ["state_bwd_split", "state_bwd_split"]
+
+
+def test_first_use_compiles_the_stage_kernels_then_the_split_in_the_background(monkeypatch):
+    """A training call's first op compiles the six stage kernels at once (not the no-grad fused
+    forward, not the small-grid state backward, whose two kernels then compile in a background
+    thread), so a later small grid compiles nothing; a WY / state op whose kernel is compiled
+    on disk compiles nothing (not its default gate configuration's intra kernels); the fused
+    forward compiles alone."""
     compiled = _record_builds(monkeypatch)
-    rwkv = (64, 64, 64, torch.bfloat16, torch.float32, -0.6065)
-    assert kernels.kernel_for("intra_fwd", *rwkv) == "intra_fwd_kernel"
-    assert compiled == [sorted(["intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd",
-                                "state_bwd", "state_bwd_split", "state_bwd_split"])]
+    assert kernels.kernel_for("intra_fwd", *RWKV) == "intra_fwd_kernel"
+    kernels.wait_for_background_compiles()
+    assert compiled == [STAGES, SPLIT]
     # the WY op names the default gates (fp32, no bound): its kernel is on disk already
     assert kernels.kernel_for("wy_fwd", 64, 64, 64, torch.bfloat16) == "wy_fwd_kernel"
-    assert len(compiled) == 1
-    assert kernels.kernel_for("fused_fwd", *rwkv) == "fused_fwd_kernel"
-    assert compiled[1:] == [["fused_fwd"]]
+    kernels.wait_for_background_compiles()
+    assert len(compiled) == 2
+    assert kernels.kernel_for("fused_fwd", *RWKV) == "fused_fwd_kernel"
+    assert compiled[2:] == [["fused_fwd"]]
     # the small-grid state backward (default gates: on disk since the intra op's call) loads
     # without compiling
     split = "state_bwd_split_kernel"
     assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) == split
     assert kernels.kernel_for("state_bwd_grads", 64, 64, 64, torch.bfloat16) == split
-    assert len(compiled) == 2
+    assert len(compiled) == 3
+
+
+def test_a_small_grid_during_the_background_compile_waits_for_it(monkeypatch):
+    """The split kernels asked for while the background thread compiles them (under the
+    default gates, as the state op asks): the op waits for that compile, never starts its own."""
+    compiled = _record_builds(monkeypatch)
+    release = threading.Event()
+    build_all = kernels._csrc_tl().build_all
+
+    def slow_split(items, **kw):
+        if any("split" in f.__name__ for f, _ in items):
+            assert release.wait(10)
+        build_all(items, **kw)
+
+    monkeypatch.setattr(kernels._csrc_tl(), "build_all", slow_split)
+    assert kernels.kernel_for("intra_fwd", *RWKV) == "intra_fwd_kernel"
+    asker = threading.Thread(target=kernels.kernel_for, args=("state_bwd_dh", 64, 64, 64, torch.bfloat16))
+    asker.start()
+    asker.join(0.2)
+    assert asker.is_alive()  # waiting for the background group
+    release.set()
+    asker.join(10)
+    kernels.wait_for_background_compiles()
+    assert compiled == [STAGES, SPLIT]
+    assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) == "state_bwd_split_kernel"
 
 
 def test_an_op_that_does_not_see_the_gates_compiles_no_gate_kernels(monkeypatch):
@@ -113,14 +148,15 @@ def test_an_op_that_does_not_see_the_gates_compiles_no_gate_kernels(monkeypatch)
     must not compile that configuration's intra kernels, only the gate-independent ones."""
     compiled = _record_builds(monkeypatch)
     assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) == "state_bwd_split_kernel"
-    assert compiled == [sorted(["wy_fwd", "wy_bwd", "state_fwd", "state_bwd", "state_bwd_split",
-                                "state_bwd_split"])]
+    assert kernels.kernel_for("state_bwd", 64, 64, 64, torch.bfloat16) == "state_bwd_kernel"
+    kernels.wait_for_background_compiles()
+    assert compiled == [SPLIT, sorted(["wy_fwd", "wy_bwd", "state_fwd", "state_bwd"])]
 
 
 def test_a_split_kernel_that_fails_leaves_the_stage_kernels_and_the_single_backward(monkeypatch):
     compiled = _record_builds(monkeypatch, failing={"state_bwd_split_kernel"})
-    rwkv = (64, 64, 64, torch.bfloat16, torch.float32, -0.6065)
-    assert kernels.kernel_for("intra_fwd", *rwkv) == "intra_fwd_kernel"
+    assert kernels.kernel_for("intra_fwd", *RWKV) == "intra_fwd_kernel"
+    kernels.wait_for_background_compiles()  # the split fails there, quietly
     assert kernels.kernel_for("state_bwd", 64, 64, 64, torch.bfloat16) == "state_bwd_kernel"
     with pytest.warns(RuntimeWarning, match="the single state backward kernel runs"):
         assert kernels.kernel_for("state_bwd_dh", 64, 64, 64, torch.bfloat16) is None

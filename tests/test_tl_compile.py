@@ -110,3 +110,28 @@ def test_bad_config_raises(name):
         factory(**{**good, "C": 48})
     with pytest.raises(ValueError):
         factory(**{**good, "dtype": "int32"})
+
+
+def test_a_traced_kernel_is_kept_and_loaded_without_tracing(cold_cache):
+    """The TIR of a traced kernel is kept in the disk cache (beside its marker), so the next
+    build of it loads the same prim_func instead of running the factory; an unreadable file is
+    traced again."""
+    from csrc_tl import wy_fwd
+
+    calls = []
+
+    def counting(C, K, V, dtype):
+        calls.append(C)
+        return wy_fwd.wy_fwd_kernel(C=C, K=K, V=V, dtype=dtype)
+
+    counting.__module__, counting.__qualname__ = wy_fwd.__name__, "counting"
+    key = tlc.cache_key(counting, dict(C=16, K=64, V=64, dtype="bfloat16"))
+    first = tlc._traced(counting, key)
+    again = tlc._traced(counting, key)
+    assert len(calls) == 1
+    assert again.script(show_meta=True) == first.script(show_meta=True)
+    kept = tlc._marker(counting, key) + ".tir.json"
+    with open(kept, "w") as f:
+        f.write("{not json")
+    assert tlc._traced(counting, key).script(show_meta=True) == first.script(show_meta=True)
+    assert len(calls) == 2

@@ -4,12 +4,19 @@ Prints, for a no-grad forward and a forward+backward, every CUDA kernel's total 
 count, the host time of the call and the host operations that took most of it (self CPU time:
 custom-op dispatch, table building, launches), and writes the tables as JSON lines when --out
 is given.  ``--N`` packs ``N`` varlen sequences into one row of ``T`` tokens (``--B`` is then 1).
+``--cprofile STEPS`` then runs that many steady-state steps of each under cProfile and prints
+the Python functions with the most own and cumulative time (where the host time of a
+host-bound call goes: op bodies, table building, TileLang's launch wrapper, autograd).
 Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64] [--N 64] [--out f.jsonl]
+       [--cprofile 50]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 
 import torch
@@ -58,11 +65,31 @@ def run(step, label, out):
                                   host=host)) + "\n")
 
 
+def python_profile(step, label, steps, top=30):
+    """cProfile of ``steps`` steady-state calls of ``step`` (synchronized once at the end)."""
+    step()
+    _sync()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    _sync()
+    print(f"== cProfile {label}: {steps} steps, {(time.perf_counter() - t0) * 1e3 / steps:.2f} ms "
+          "per step under the profiler")
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        print(f"-- by {order}\n" + text.getvalue())
+
+
 def main():
     p = argparse.ArgumentParser()
     for n, d in (("B", 8), ("T", 4096), ("H", 32), ("D", 64), ("chunk", 64), ("N", None)):
         p.add_argument(f"--{n}", type=int, default=d)
-    p.add_argument("--out")
+    p.add_argument("--out", help="JSON lines, appended")
+    p.add_argument("--cprofile", type=int, default=0, metavar="STEPS")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     args = p.parse_args()
     shape = Shape(1 if args.N else args.B, args.T, args.H, args.D, args.N)
@@ -70,7 +97,7 @@ def main():
     kw = dict(chunk_size=args.chunk, lower_bound=RWKV7_BOUND, output_final_state=True,
               initial_state=inp.h0, cu_seqlens=inp.cu_seqlens,
               cu_seqlens_cpu=inp.cu_seqlens_cpu)
-    out = open(args.out, "w") if args.out else None
+    out = open(args.out, "a") if args.out else None
     fn = torch_dplr.chunk_dplr_delta_rule
 
     def fwd():
@@ -87,6 +114,9 @@ def main():
 
     run(fwd, f"fwd {shape.label} c{args.chunk}", out)
     run(fwd_bwd, f"fwd_bwd {shape.label} c{args.chunk}", out)
+    if args.cprofile:
+        python_profile(fwd, f"fwd {shape.label} c{args.chunk}", args.cprofile)
+        python_profile(fwd_bwd, f"fwd_bwd {shape.label} c{args.chunk}", args.cprofile)
     if out:
         out.close()
 

@@ -4,16 +4,18 @@
 bound) to the kernels (factory + config) of that configuration: the six stage kernels, the two
 kernels of the small-grid state backward, and the fused no-grad forward where it is built
 (:func:`_fused_fwd_built`); :func:`kernel_for` returns one of them compiled.  The first call
-that needs a stage kernel neither in memory nor on disk compiles the kernels of the whole
-forward+backward pipeline at once, in parallel processes, with a progress line per kernel on
-stderr (``TORCH_DPLR_QUIET=1`` silences it): the six stage kernels and the small-grid state
-backward's two, which only some batch sizes and layouts run, so that a later call at another
-size loads them but compiles nothing.  The fused no-grad forward is compiled when a call first
-needs it (:data:`ON_DEMAND`: training never runs it).  Every kernel is loaded by the op that
-runs it, when it first runs.  Later calls, other batch sizes, lengths and varlen layouts reuse
-them (every size is symbolic in the kernels).  A kernel that cannot be built leaves its op on
-the PyTorch kernel (the fused forward: on the stage kernels; the small-grid state backward: on
-the single state backward kernel), with one warning.  :func:`precompile` compiles a configuration ahead of time.
+that needs a stage kernel neither in memory nor on disk compiles the six stage kernels of the
+whole forward+backward pipeline at once, in parallel processes, with a progress line per kernel
+on stderr (``TORCH_DPLR_QUIET=1`` silences it).  The small-grid state backward's two kernels,
+which only some batch sizes and layouts run, then compile in a background thread
+(:data:`BACKGROUND`), so the first call does not wait for them and a later call at another size
+compiles nothing (one that comes within those seconds waits for them).  The fused no-grad
+forward is compiled when a call first needs it (:data:`ON_DEMAND`: training never runs it).
+Every kernel is loaded by the op that runs it, when it first runs.  Later calls, other batch
+sizes, lengths and varlen layouts reuse them (every size is symbolic in the kernels).  A kernel
+that cannot be built leaves its op on the PyTorch kernel (the fused forward: on the stage
+kernels; the small-grid state backward: on the single state backward kernel), with one
+warning.  :func:`precompile` compiles a configuration ahead of time.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ import warnings
 
 import torch
 
-_ready: set[tuple] = set()  # pipelines already compiled (or tried: failures are remembered)
+_ready: set[tuple] = set()  # kernel groups already compiled (or tried: failures are remembered)
+_group_locks: dict[tuple, threading.Lock] = {}  # one per kernel group: compiled once, others wait
+_background: list[threading.Thread] = []  # BACKGROUND compiles started by this process
+_background_started: set[tuple] = set()  # configurations whose BACKGROUND kernels were looked at
 _kernels: dict[tuple, object] = {}  # (op, configuration) -> kernel or None: per-call fast path
 _MISSING = object()
 _lock = threading.Lock()
@@ -97,13 +102,22 @@ def _progress(line: str) -> None:
 
 
 # Kernels compiled when a call first needs them rather than with the training pipeline: the
-# fused no-grad forward (training never runs it).  The small-grid state backward compiles with
-# the stage kernels although few calls run it: which calls do depends on the batch size and
-# layout, and a new size must compile nothing.
-ON_DEMAND = (("fused_fwd",),)
+# fused no-grad forward (training never runs it), and the small-grid state backward when the
+# background compile below has not run or not finished.
+# The small-grid state backward compiles in a background thread once a call has its stage
+# kernels: few calls run it, but which do depends on the batch size and layout, and a new size
+# must compile nothing; compiling it with the stage kernels made the first call ~5 s longer.
+BACKGROUND = ("state_bwd_dh", "state_bwd_grads")
+ON_DEMAND = (("fused_fwd",), BACKGROUND)
 # The kernels that depend on the gates (dtype, bound).  The other ops name the default gates
 # when they ask for a kernel (they don't see the gates), so they must never bring these along.
 GATE_KERNELS = ("intra_fwd", "intra_bwd")
+
+
+def _group_id(kernels: dict, ops) -> tuple:
+    # a group is the kernels it builds: the same split kernels asked for under two gate
+    # configurations (they don't depend on the gates) are one group, compiled once
+    return tuple(sorted((op, tuple(sorted(kernels[op][1].items()))) for op in ops if op in kernels))
 
 
 def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
@@ -111,18 +125,48 @@ def precompile(chunk_size: int, K: int, V: int, dtype: torch.dtype,
                workers: int | None = None, ops=None) -> None:
     """Compile the kernels of one configuration (``ops``: those ops only; default every one)
     that are not in the disk cache yet, in parallel.  None is loaded here: each op loads its
-    own kernel when it first runs."""
-    key = (chunk_size, K, V, dtype, gate_dtype, lower_bound)
-    kernels = pipeline(*key)
-    ops = tuple(sorted(kernels if ops is None else ops))
+    own kernel when it first runs.  A group being compiled by another thread is waited for."""
+    kernels = pipeline(chunk_size, K, V, dtype, gate_dtype, lower_bound)
+    group = _group_id(kernels, kernels if ops is None else ops)
     with _lock:
-        if (key, ops) in _ready:
+        group_lock = _group_locks.setdefault(group, threading.Lock())
+    with group_lock:
+        if group in _ready:
             return
         try:
-            _csrc_tl().build_all([kernels[op] for op in ops if op in kernels], workers=workers,
+            _csrc_tl().build_all([kernels[op] for op, _ in group], workers=workers,
                                  progress=_progress, load=False)
         finally:  # a kernel that failed is remembered by the build layer, not retried here
-            _ready.add((key, ops))
+            _ready.add(group)
+
+
+def _compile_in_background(key: tuple, kernels: dict) -> None:
+    """Start compiling the :data:`BACKGROUND` kernels of ``kernels`` that are not on disk."""
+    csrc_tl = _csrc_tl()
+    ops = tuple(op for op in BACKGROUND if op in kernels and not _built(csrc_tl, *kernels[op]))
+    if not ops:
+        return
+
+    def compile_quietly():
+        try:
+            precompile(*key, ops=ops)
+        except RuntimeError:
+            pass  # remembered by the build layer: the op warns and falls back when it asks
+
+    thread = threading.Thread(target=compile_quietly, name="torch_dplr-compile", daemon=True)
+    thread.start()
+    _background.append(thread)
+
+
+def _built(csrc_tl, factory, config) -> bool:
+    return csrc_tl.in_memory(factory, **config) or csrc_tl.on_disk(factory, **config)
+
+
+def wait_for_background_compiles() -> None:
+    """Block until the kernels this process compiles in the background are done (tests,
+    benchmarks that must not time a compile)."""
+    for thread in list(_background):
+        thread.join()
 
 
 # what runs instead when a kernel that is not a stage op's own cannot be built (the warning says it)
@@ -133,9 +177,9 @@ _FALLBACK = {"fused_fwd": "the stage kernels run",
 
 def _group_of(op: str, kernels: dict) -> tuple[str, ...]:
     """The kernels compiled together with ``op`` on first use: its :data:`ON_DEMAND` group, or
-    else every kernel of the forward+backward (a training step needs the stage kernels; the
-    small-grid state backward's come along, see :data:`ON_DEMAND`), less the gate kernels when
-    ``op`` is not one of them (its ``kernels`` are those of the default gates, not the call's)."""
+    else the stage kernels of the forward+backward (a training step needs them all), less the
+    gate kernels when ``op`` is not one of them (its ``kernels`` are those of the default
+    gates, not the call's)."""
     for group in ON_DEMAND:
         if op in group:
             return tuple(name for name in group if name in kernels)
@@ -163,11 +207,14 @@ def kernel_for(op: str, chunk_size: int, K: int, V: int, dtype: torch.dtype,
             csrc_tl = _csrc_tl()
             kernels = pipeline(*key)
             factory, config = kernels[op]
-            if not (csrc_tl.in_memory(factory, **config) or csrc_tl.on_disk(factory, **config)):
+            if not _built(csrc_tl, factory, config):
                 try:
                     precompile(*key, ops=_group_of(op, kernels))
                 except RuntimeError:
                     pass  # another kernel of the pipeline failed: this op may still have its own
+            if key not in _background_started and not any(op in g for g in ON_DEMAND):
+                _background_started.add(key)
+                _compile_in_background(key, kernels)
             kernel = csrc_tl.build(factory, **config)
         except Exception as exc:  # noqa: BLE001 (any build failure: fall back, loudly once)
             instead = _FALLBACK.get(op, "this op runs its PyTorch kernel")
