@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 import torch_dplr
+from torch_dplr.ops.varlen import packed_tables
 
 from . import calls
 from .cells import Cell
@@ -95,6 +96,8 @@ def stage_calls(cell: Cell, inp: Inputs) -> dict[str, StageCall]:
     bound = _gate_bound(cell, inp)
     cu, h0, dht = _sentinels(cell, inp)
     q, k, v, a, b, gk = inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk
+    # the chunk tables, built once as the public functions do (not part of any stage's time)
+    tables = packed_tables(cu, q.shape[0], q.shape[1], C, q.device) if q.is_cuda else None
     done = {}
 
     def run(op, fn, *args):
@@ -103,19 +106,20 @@ def stage_calls(cell: Cell, inp: Inputs) -> dict[str, StageCall]:
         return done[op].outputs
 
     gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = run(
-        "chunk_intra_fwd", dplr.chunk_intra_fwd, q, k, a, b, gk, cu, scale, C, bound)
-    A_ab_inv, w, u = run("chunk_wy_fwd", dplr.chunk_wy_fwd, A_ab, A_ak, ag, v, cu, C)
+        "chunk_intra_fwd", dplr.chunk_intra_fwd, q, k, a, b, gk, cu, scale, C, bound, tables)
+    A_ab_inv, w, u = run("chunk_wy_fwd", dplr.chunk_wy_fwd, A_ab, A_ak, ag, v, cu, C, tables)
     state_args = (qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu, C, cell.state)
-    _, _, h, v_new = run(KEEP, dplr.chunk_state_fwd, *state_args, True)
-    run(NO_KEEP, dplr.chunk_state_fwd, *state_args, False)
+    _, _, h, v_new = run(KEEP, dplr.chunk_state_fwd, *state_args, True, tables)
+    run(NO_KEEP, dplr.chunk_state_fwd, *state_args, False, tables)
     dqg, dkg, dbg, dw, du, _, dA_qk, dA_qb, dgl, _ = run(
         "chunk_state_bwd", dplr.chunk_state_bwd, qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new,
-        inp.do, dht, h0, cu, C, cell.state, cell.state)
+        inp.do, dht, h0, cu, C, cell.state, cell.state, tables)
     dA_ab, dA_ak, dag, _ = run("chunk_wy_bwd", dplr.chunk_wy_bwd, A_ab_inv, A_ak, ag, v, dw, du,
-                               cu, C)
+                               cu, C, tables)
     run("chunk_intra_bwd", dplr.chunk_intra_bwd, q, k, a, b, gk, cu, dgl, dA_qk, dA_qb, dA_ak,
-        dA_ab, dqg, dkg, dag, dbg, scale, C, bound)
-    run(FUSED, dplr.chunk_fwd_fused, q, k, v, a, b, gk, h0, cu, scale, C, bound, cell.state)
+        dA_ab, dqg, dkg, dag, dbg, scale, C, bound, tables)
+    run(FUSED, dplr.chunk_fwd_fused, q, k, v, a, b, gk, h0, cu, scale, C, bound, cell.state,
+        tables)
     return done
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_dplr.ops.varlen import packed_tables
 from torch_dplr.testing import make_inputs
 
 NO_BOUND = float("-inf")
@@ -30,19 +31,23 @@ def forward_samples(device="cpu"):
         intra_out = torch.ops.dplr.chunk_intra_fwd(q, k, a, b, gk, cu_t, 0.3, C, NO_BOUND)
         gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = intra_out
         _, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu_t, C)
+        tables = packed_tables(cu_t, B, T, C, device)
         for grad in (False, True):
             g = lambda x: x.detach().clone().requires_grad_(grad)  # noqa: E731
-            yield "chunk_intra_fwd", (g(q), g(k), g(a), g(b), g(gk), cu_t, 0.3, C, -0.6065)
-            yield "chunk_wy_fwd", (g(A_ab), g(A_ak), g(ag), g(v), cu_t, C)
+            # with grad: the packed chunk tables, as the public functions pass them (saved for
+            # the backward); without: none, as a direct call (the op builds its own)
+            t = (tables,) if grad else ()
+            yield "chunk_intra_fwd", (g(q), g(k), g(a), g(b), g(gk), cu_t, 0.3, C, -0.6065, *t)
+            yield "chunk_wy_fwd", (g(A_ab), g(A_ak), g(ag), g(v), cu_t, C, *t)
             yield "chunk_state_fwd", (g(qg), g(kg), g(bg), g(w), g(u), g(v), g(A_qk), g(A_qb),
-                                      g(gl), g(h0), cu_t, C, True, True)
+                                      g(gl), g(h0), cu_t, C, True, True, *t)
             yield "recurrent_fwd", (g(q), g(k), g(v), g(a), g(b), g(gk), g(h0), cu_t, 0.3,
                                     True, grad)
         # Absent initial state and no kept activations (the no-grad forward's call).
         yield "chunk_state_fwd", (qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0.new_empty(0), cu_t, C,
                                   False, False)
         # The fused no-grad forward: never with requires_grad (its backward raises).
-        yield "chunk_fwd_fused", (q, k, v, a, b, gk, h0, cu_t, 0.3, C, -0.6065, True)
+        yield "chunk_fwd_fused", (q, k, v, a, b, gk, h0, cu_t, 0.3, C, -0.6065, True, tables)
         yield "chunk_fwd_fused", (q, k, v, a, b, gk, h0.new_empty(0), cu_t, 0.3, C, NO_BOUND,
                                   False)
 
@@ -61,7 +66,8 @@ def backward_samples(device="cpu"):
         yield "chunk_intra_bwd", (q, k, a, b, gk, cu_t, *map(rand_like, intra_out), 0.3, C,
                                   NO_BOUND)
         A_inv, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu_t, C)
-        yield "chunk_wy_bwd", (A_inv, A_ak, ag, v, rand_like(w), rand_like(u), cu_t, C)
+        yield "chunk_wy_bwd", (A_inv, A_ak, ag, v, rand_like(w), rand_like(u), cu_t, C,
+                               packed_tables(cu_t, B, T, C, device))
         o, ht, h, v_new = torch.ops.dplr.chunk_state_fwd(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0,
                                                          cu_t, C, True, True)
         for use_h0, use_dht in ((True, True), (False, False)):

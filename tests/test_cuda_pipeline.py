@@ -310,3 +310,23 @@ def test_cuda_graphs_reduce_overhead():
             torch.testing.assert_close(g, w, rtol=0, atol=0)
     # the graphs were really captured (a skipped capture still gives right answers)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_a_call_builds_its_chunk_tables_once(monkeypatch, varlen):
+    """Forward+backward builds the kernels' chunk tables once (ops.varlen.packed_tables in the
+    public function) and every stage op, forward and backward, reads them: the ops never build
+    their own (8-15 small launches each, host time small grids do not hide)."""
+    from torch_dplr.ops import varlen as varlen_mod
+
+    inp = make_inputs(1 if varlen else 2, 256, 4, 64, dtype=torch.bfloat16, device=DEV,
+                      num_states=3 if varlen else None)
+    cu = torch.tensor([0, 5, 100, 256], device=DEV) if varlen else None
+    _call(inp, 64, RWKV7_BOUND, cu)  # kernels loaded, tables built the ordinary way
+    built = []
+    real = varlen_mod.kernel_tables
+    monkeypatch.setattr(varlen_mod, "kernel_tables", lambda *a: built.append(a) or real(*a))
+    o, ht, grads = _call(inp, 64, RWKV7_BOUND, cu)
+    assert len(built) == 1
+    torch.cuda.synchronize()
+    assert torch.isfinite(o.float()).all() and all(torch.isfinite(g.float()).all() for g in grads.values())

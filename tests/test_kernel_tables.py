@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from torch_dplr.ops.varlen import as_one_sequence_list, kernel_tables, varlen_chunk_tables
+from torch_dplr.ops.varlen import (as_one_sequence_list, kernel_tables, packed_tables, tables_for,
+                                   varlen_chunk_tables)
 
 
 @pytest.mark.parametrize("B,T,C", [(3, 100, 64), (1, 5, 16), (2, 128, 32), (4, 1, 64), (2, 64, 64)])
@@ -35,3 +36,26 @@ def test_one_sequence_list_is_a_view():
     x = torch.randn(3, 7, 2, 4)
     y = as_one_sequence_list(x)
     assert y.shape == (1, 21, 2, 4) and y.data_ptr() == x.data_ptr()
+
+
+@pytest.mark.parametrize("B,T,C,cu", [(3, 100, 64, None), (1, 200, 64, [0, 5, 70, 200]),
+                                      (1, 3, 16, [0, 0, 3, 3]), (2, 37, 16, None)])
+def test_packed_tables_unpack_to_the_tables(B, T, C, cu):
+    """One packed tensor per call (built by the public functions) gives each op the tables it
+    would have built itself; without it (a direct op call) the op builds them."""
+    cu = torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu)
+    packed = packed_tables(cu, B, T, C, "cpu")
+    assert packed.dtype == torch.int32 and packed.dim() == 1
+    for got, want in zip(tables_for(packed, cu, B, T, C, "cpu"), kernel_tables(cu, B, T, C, "cpu")):
+        assert torch.equal(got, want)
+        assert got.data_ptr() >= packed.data_ptr()  # views of the packed tensor, no copies
+    for got, want in zip(tables_for(None, cu, B, T, C, "cpu"), kernel_tables(cu, B, T, C, "cpu")):
+        assert torch.equal(got, want)
+
+
+def test_packed_tables_of_another_layout_are_refused():
+    packed = packed_tables(torch.empty(0, dtype=torch.int64), 2, 100, 64, "cpu")
+    with pytest.raises(ValueError, match="tables"):
+        tables_for(packed, torch.empty(0, dtype=torch.int64), 2, 100, 32, "cpu")
+    with pytest.raises(ValueError, match="tables"):
+        tables_for(packed.long(), torch.empty(0, dtype=torch.int64), 2, 100, 64, "cpu")

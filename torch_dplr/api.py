@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
+from .ops.varlen import packed_tables
 from .validation import check_inputs
 
 DEFAULT_CHUNK_SIZE = 64
@@ -118,18 +119,20 @@ def _chunk(q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqle
     if safe_gate:
         bound = max(bound, SAFE_GATE_BOUND)
     cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
+    # the GPU kernels' chunk tables, built once for every op of the call (forward and backward)
+    tables = packed_tables(cu, q.shape[0], q.shape[1], C, q.device) if q.is_cuda else None
     if not _needs_grad(q, k, v, a, b, gk, initial_state):
         # nothing to keep for a backward: one op (one fused kernel on CUDA where it applies).
         # Grad mode and requires_grad are static to Dynamo: a compiled no-grad graph holds
         # this node, a training graph the staged ones.
         o, final_state = torch.ops.dplr.chunk_fwd_fused(q, k, v, a, b, gk, h0, cu, scale, C,
-                                                        bound, use_h0)
+                                                        bound, use_h0, tables)
         return o, (final_state if output_final_state else None)
     gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = torch.ops.dplr.chunk_intra_fwd(
-        q, k, a, b, gk, cu, scale, C, bound)
-    _, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu, C)
+        q, k, a, b, gk, cu, scale, C, bound, tables)
+    _, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu, C, tables)
     o, final_state, _, _ = torch.ops.dplr.chunk_state_fwd(
-        qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu, C, use_h0, True)
+        qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu, C, use_h0, True, tables)
     return o, (final_state if output_final_state else None)
 
 

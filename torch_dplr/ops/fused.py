@@ -12,6 +12,8 @@ is not differentiable: ``torch_dplr`` calls it only when no input requires grad,
 registered backward raises.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -22,7 +24,7 @@ from .shapes import allocate, fused_fwd_shapes, num_sequences
 from .state import chunk_state_fwd_reference
 from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply, sm_count
 from .varlen import as_one_sequence_list as flat
-from .varlen import kernel_tables
+from .varlen import tables_for
 from .wy import chunk_wy_fwd_reference
 
 
@@ -59,24 +61,24 @@ def fused_kernel(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, chunk_siz
 
 
 def _compose(intra_fwd, wy_fwd, state_fwd, q, k, v, a, b, gk, initial_state, cu_seqlens,
-             scale, chunk_size, lower_bound, use_initial_state):
+             scale, chunk_size, lower_bound, use_initial_state, tables):
     """The staged forward through the given stage functions; returns (o, final state)."""
     gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = intra_fwd(q, k, a, b, gk, cu_seqlens, scale,
-                                                           chunk_size, lower_bound)
-    _, w, u = wy_fwd(A_ab, A_ak, ag, v, cu_seqlens, chunk_size)
+                                                           chunk_size, lower_bound, tables)
+    _, w, u = wy_fwd(A_ab, A_ak, ag, v, cu_seqlens, chunk_size, tables)
     o, ht, _, _ = state_fwd(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens,
-                            chunk_size, use_initial_state, False)
+                            chunk_size, use_initial_state, False, tables)
     return o, ht
 
 
 @without_autocast
 def chunk_fwd_fused_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
                               initial_state: Tensor, cu_seqlens: Tensor, scale: float,
-                              chunk_size: int, lower_bound: float, use_initial_state: bool
-                              ) -> tuple[Tensor, Tensor]:
+                              chunk_size: int, lower_bound: float, use_initial_state: bool,
+                              tables: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return _compose(chunk_intra_fwd_reference, chunk_wy_fwd_reference, chunk_state_fwd_reference,
                     q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
-                    use_initial_state)
+                    use_initial_state, tables)
 
 
 chunk_fwd_fused = torch.library.custom_op("dplr::chunk_fwd_fused", mutates_args=())(chunk_fwd_fused_reference)
@@ -84,14 +86,14 @@ chunk_fwd_fused = torch.library.custom_op("dplr::chunk_fwd_fused", mutates_args=
 
 @chunk_fwd_fused.register_fake
 def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
-      use_initial_state):
+      use_initial_state, tables=None):
     return allocate(fused_fwd_shapes(q, v, cu_seqlens), q.device)
 
 
 @chunk_fwd_fused.register_kernel("cuda")
 @without_autocast
 def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
-      use_initial_state):
+      use_initial_state, tables=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     kernel = fused_kernel(q, v, gk, cu_seqlens, chunk_size, lower_bound)
@@ -99,9 +101,9 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bou
         dplr = torch.ops.dplr
         return _compose(dplr.chunk_intra_fwd, dplr.chunk_wy_fwd, dplr.chunk_state_fwd,
                         q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size,
-                        lower_bound, use_initial_state)
+                        lower_bound, use_initial_state, tables)
     o, ht = allocate(fused_fwd_shapes(q, v, cu_seqlens), q.device)
-    tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
+    tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
     # h0 with no rows tells the kernel to start from zero
     h0 = initial_state.float() if use_initial_state else ht.new_empty(0, H, K, V)
     kernel(*map(flat, (q, k, v, a, b, gk)), h0.contiguous(), tables.cu_seqlens,

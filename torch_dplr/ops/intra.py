@@ -6,6 +6,8 @@ Outputs of the forward (see DESIGN.md §1): ``gl`` (per chunk slot, log2 units),
 kernel pick a faster exact scheme; the PyTorch kernel is exact for any gate.
 """
 
+from typing import Optional
+
 from torch import Tensor
 import torch
 
@@ -15,7 +17,7 @@ from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_miss
 from .kernels import kernel_for
 from .tilelang_path import kernels_apply
 from .varlen import as_one_sequence_list as flat
-from .varlen import kernel_tables
+from .varlen import tables_for
 
 
 def _intra_kernel_applies(q, gk, chunk_size) -> bool:
@@ -29,7 +31,8 @@ Tensors9 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
 
 @without_autocast
 def chunk_intra_fwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
-                              scale: float, chunk_size: int, lower_bound: float) -> Tensors9:
+                              scale: float, chunk_size: int, lower_bound: float,
+                              tables: Optional[Tensor] = None) -> Tensors9:
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
     view = ChunkedView(q, cu_seqlens, chunk_size)
     gl, *mats_and_gated = ref.intra_fwd(*map(view.read, (q, k, a, b, gk)), scale)
@@ -43,13 +46,13 @@ chunk_intra_fwd = torch.library.custom_op("dplr::chunk_intra_fwd", mutates_args=
 
 
 @chunk_intra_fwd.register_fake
-def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
+def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
     return allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
 
 
 @chunk_intra_fwd.register_kernel("cuda")
 @without_autocast
-def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
+def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
     B, T, _, K = q.shape
     kernel = (kernel_for("intra_fwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
               if _intra_kernel_applies(q, gk, chunk_size) else None)
@@ -57,7 +60,7 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
         return chunk_intra_fwd_reference(q, k, a, b, gk, cu_seqlens, scale, chunk_size,
                                          lower_bound)
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
-    tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
+    tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
     kernel(*map(flat, (q, k, a, b, gk)), tables.chunk_start, tables.chunk_len, float(scale),
            *map(flat, outs))
     return outs
@@ -67,7 +70,8 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound):
 def chunk_intra_bwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
                               dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
                               dqg: Tensor, dkg: Tensor, dag: Tensor, dbg: Tensor,
-                              scale: float, chunk_size: int, lower_bound: float
+                              scale: float, chunk_size: int, lower_bound: float,
+                              tables: Optional[Tensor] = None
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
     view = ChunkedView(q, cu_seqlens, chunk_size)
@@ -90,7 +94,7 @@ def _(q, k, a, b, gk, cu_seqlens, *rest):
 @chunk_intra_bwd.register_kernel("cuda")
 @without_autocast
 def _(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
-      chunk_size, lower_bound):
+      chunk_size, lower_bound, tables=None):
     grads = (dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg)
     B, T, _, K = q.shape
     kernel = (kernel_for("intra_bwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
@@ -99,27 +103,27 @@ def _(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag
         return chunk_intra_bwd_reference(q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size,
                                          lower_bound)
     outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
-    tables = kernel_tables(cu_seqlens, B, T, chunk_size, q.device)
+    tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
     kernel(*map(flat, (q, k, a, b, gk, *grads)), tables.chunk_start, tables.chunk_len,
            float(scale), *map(flat, outs))
     return outs
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound = inputs
-    ctx.save_for_backward(q, k, a, b, gk, cu_seqlens)
+    q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables = inputs
+    ctx.save_for_backward(q, k, a, b, gk, cu_seqlens, tables)
     ctx.config = (scale, chunk_size, lower_bound)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, *grads):
-    q, k, a, b, gk, cu_seqlens = ctx.saved_tensors
+    q, k, a, b, gk, cu_seqlens, tables = ctx.saved_tensors
     scale, chunk_size, lower_bound = ctx.config
     specs = intra_fwd_shapes(q, gk, cu_seqlens, chunk_size)
     grads = zeros_for_missing(grads, specs, q.device)
     dq, dk, da, db, dgk = torch.ops.dplr.chunk_intra_bwd(
-        q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size, lower_bound)
-    return dq, dk, da, db, dgk, None, None, None, None
+        q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size, lower_bound, tables)
+    return dq, dk, da, db, dgk, None, None, None, None, None
 
 
 chunk_intra_fwd.register_autograd(_backward, setup_context=_setup_context)

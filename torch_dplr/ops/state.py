@@ -11,6 +11,8 @@ split over V that writes ``dh`` per chunk into an fp32 workspace laid out like `
 kernel over chunks, in parallel, that makes the other gradients from ``h`` and ``dh``.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -20,7 +22,7 @@ from .shapes import allocate, num_sequences, state_bwd_shapes, state_fwd_shapes,
 from .kernels import kernel_for
 from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply, sm_count
 from .varlen import as_one_sequence_list as flat
-from .varlen import kernel_tables
+from .varlen import tables_for
 
 
 def _state_kernel_applies(v, cu_seqlens, chunk_size, K, V) -> bool:
@@ -55,7 +57,8 @@ def _split_backward_pays(v, h, cu_seqlens) -> bool:
 def chunk_state_fwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, u: Tensor, v: Tensor,
                               A_qk: Tensor, A_qb: Tensor, gl: Tensor, initial_state: Tensor,
                               cu_seqlens: Tensor, chunk_size: int, use_initial_state: bool,
-                              keep_activations: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                              keep_activations: bool, tables: Optional[Tensor] = None
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o, ht, h, v_new = allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
     view = ChunkedView(v, cu_seqlens, chunk_size)
     chunks = map(view.read_padded, (qg, kg, bg, w, u, v, A_qk, A_qb))
@@ -75,14 +78,14 @@ chunk_state_fwd = torch.library.custom_op("dplr::chunk_state_fwd", mutates_args=
 
 @chunk_state_fwd.register_fake
 def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
-      use_initial_state, keep_activations):
+      use_initial_state, keep_activations, tables=None):
     return allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
 
 
 @chunk_state_fwd.register_kernel("cuda")
 @without_autocast
 def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
-      use_initial_state, keep_activations):
+      use_initial_state, keep_activations, tables=None):
     B, T, H, K = qg.shape
     V = v.shape[-1]
     kernel = (kernel_for("state_fwd", chunk_size, K, V, v.dtype)
@@ -93,7 +96,7 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
                                          keep_activations)
     o, ht, h, v_new = allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations),
                                v.device)
-    tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
+    tables = tables_for(tables, cu_seqlens, B, T, chunk_size, v.device)
     h0 = initial_state.float() if use_initial_state else ht.new_empty(0, H, K, V)
     # h / v_new are size 0 without keep_activations: the kernel then writes neither
     kept = (flat(h), flat(v_new)) if keep_activations else (h.view(1, 0, H, K, V), v_new.view(1, 0, H, V))
@@ -106,8 +109,8 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
 def chunk_state_bwd_reference(qg: Tensor, kg: Tensor, bg: Tensor, w: Tensor, v: Tensor, A_qk: Tensor,
                               A_qb: Tensor, gl: Tensor, h: Tensor, v_new: Tensor, do: Tensor, dht: Tensor,
                               initial_state: Tensor, cu_seqlens: Tensor, chunk_size: int,
-                              use_initial_state: bool, use_dht: bool
-                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                              use_initial_state: bool, use_dht: bool,
+                              tables: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                          Tensor, Tensor]:
     outs = allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
                                      use_initial_state), v.device)
@@ -133,7 +136,7 @@ chunk_state_bwd = torch.library.custom_op("dplr::chunk_state_bwd", mutates_args=
 
 @chunk_state_bwd.register_fake
 def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens, chunk_size,
-      use_initial_state, use_dht):
+      use_initial_state, use_dht, tables=None):
     return allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
                                      use_initial_state), v.device)
 
@@ -141,7 +144,7 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
 @chunk_state_bwd.register_kernel("cuda")
 @without_autocast
 def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens, chunk_size,
-      use_initial_state, use_dht):
+      use_initial_state, use_dht, tables=None):
     B, T, H, K = qg.shape
     V = v.shape[-1]
     reference = (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens,
@@ -159,7 +162,7 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
     outs = allocate(state_bwd_shapes(qg, kg, bg, w, v, A_qk, A_qb, gl, initial_state,
                                      use_initial_state), v.device)
     dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 = outs
-    tables = kernel_tables(cu_seqlens, B, T, chunk_size, v.device)
+    tables = tables_for(tables, cu_seqlens, B, T, chunk_size, v.device)
     # dht / dh0 with no rows tell the kernels to start from zero / not to write dh0
     dht4 = dht.float().reshape(-1, H, K, V).contiguous() if use_dht else gl.new_empty(0, H, K, V)
     dh0 = dh0.view(-1, H, K, V)
@@ -179,16 +182,17 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
 
 def _setup_context(ctx, inputs, output):
     (qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
-     use_initial_state, keep_activations) = inputs
+     use_initial_state, keep_activations, tables) = inputs
     _, _, h, v_new = output
     ctx.mark_non_differentiable(h, v_new)
-    ctx.save_for_backward(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, initial_state, cu_seqlens)
+    ctx.save_for_backward(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, initial_state, cu_seqlens,
+                          tables)
     ctx.config = (chunk_size, use_initial_state, keep_activations)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dht, dh_unused, dv_new_unused):
-    qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, initial_state, cu_seqlens = ctx.saved_tensors
+    qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, initial_state, cu_seqlens, tables = ctx.saved_tensors
     chunk_size, use_initial_state, keep_activations = ctx.config
     if not keep_activations:
         raise RuntimeError("dplr::chunk_state_fwd ran with keep_activations=False; "
@@ -199,10 +203,10 @@ def _backward(ctx, do, dht, dh_unused, dv_new_unused):
         dht = gl.new_zeros(0)
     grads = torch.ops.dplr.chunk_state_bwd(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
                                            initial_state, cu_seqlens, chunk_size,
-                                           use_initial_state, use_dht)
+                                           use_initial_state, use_dht, tables)
     dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 = grads
     return (dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 if use_initial_state else None,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 chunk_state_fwd.register_autograd(_backward, setup_context=_setup_context)

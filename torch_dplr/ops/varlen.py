@@ -8,6 +8,11 @@ real chunk has length 0); kernels over sequences read ``cu_seqlens`` and ``chunk
 (the slot of each sequence's first chunk).  Slot numbering matches the ops' per-chunk tensors:
 rect ``b * ceil(T/C) + c`` (so ``[B, slots, ...]`` flattens to ``[1, B*slots, ...]``), varlen
 ``chunk_offsets[n] + c`` inside ``ceil(T/C) + N - 1`` slots.
+
+Building the tables takes 8-15 small launches.  The public functions build them once per call
+as one packed int32 tensor (:func:`packed_tables`) and every stage op of the call, forward and
+backward, reads it (:func:`tables_for`): on small grids and varlen calls that host time is not
+hidden behind the kernels.  An op called without them builds its own.
 """
 from __future__ import annotations
 
@@ -66,6 +71,32 @@ def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences are packed along T), got B={B}")
     return KernelTables(cu_seqlens.to(torch.int32), *varlen_chunk_tables(cu_seqlens, T, chunk_size))
+
+
+def packed_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """:func:`kernel_tables` as one int32 tensor ``[cu_seqlens | chunk_offsets | chunk_start |
+    chunk_len]`` (``2 (N + 1) + 2 slots`` entries), for the ``tables`` argument of the stage
+    ops.  Plain tensor code: a compiled graph holds it as ordinary (fusible) ops."""
+    t = kernel_tables(cu_seqlens, B, T, chunk_size, device)
+    return torch.cat([t.cu_seqlens, t.chunk_offsets, t.chunk_start, t.chunk_len])
+
+
+def tables_for(tables: torch.Tensor | None, cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
+               device: torch.device) -> KernelTables:
+    """The tables of an op call: views of the packed ``tables`` its caller built once for the
+    whole call (:func:`packed_tables`), or built here when it is None (a direct op call)."""
+    if tables is None:
+        return kernel_tables(cu_seqlens, B, T, chunk_size, device)
+    seqs = cu_seqlens.shape[0] - 1 if cu_seqlens.numel() else B
+    slots = chunk_slots_per_batch(T, chunk_size, seqs if cu_seqlens.numel() else None)
+    slots = slots if cu_seqlens.numel() else B * slots
+    if tables.dtype != torch.int32 or tables.shape != (2 * (seqs + 1) + 2 * slots,):
+        raise ValueError(f"tables: expected int32 [{2 * (seqs + 1) + 2 * slots}] for {seqs} "
+                         f"sequence(s) of chunk size {chunk_size}, got {tables.dtype} "
+                         f"{list(tables.shape)} (build it with packed_tables)")
+    cu, offsets, start, length = tables.split([seqs + 1, seqs + 1, slots, slots])
+    return KernelTables(cu, start, length, offsets)
 
 
 def as_one_sequence_list(x: torch.Tensor) -> torch.Tensor:
