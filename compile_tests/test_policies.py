@@ -77,6 +77,14 @@ def test_shipped_policies_recompute_what_they_document():
     assert policies.recomputed_ops({wy}) == FORWARD_OPS - {wy}
 
 
+def test_every_policy_keeps_the_chunk_tables():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for name in policies.POLICIES:
+        decide = policies.policy_fn(name)
+        assert decide(None, dplr.chunk_tables.default) == CheckpointPolicy.MUST_SAVE, name
+
+
 def test_unknown_policy_name_raises():
     with pytest.raises(ValueError, match="save_state"):
         policies.context_fn("save_everything")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from torch_dplr.ops.varlen import packed_tables
 from torch_dplr.testing import make_inputs
 
 NO_BOUND = float("-inf")
@@ -31,7 +30,8 @@ def forward_samples(device="cpu"):
         intra_out = torch.ops.dplr.chunk_intra_fwd(q, k, a, b, gk, cu_t, 0.3, C, NO_BOUND)
         gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = intra_out
         _, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu_t, C)
-        tables = packed_tables(cu_t, B, T, C, device)
+        tables = torch.ops.dplr.chunk_tables(cu_t, B, T, C)
+        yield "chunk_tables", (cu_t, B, T, C)
         for grad in (False, True):
             g = lambda x: x.detach().clone().requires_grad_(grad)  # noqa: E731
             # with grad: the packed chunk tables, as the public functions pass them (saved for
@@ -67,7 +67,7 @@ def backward_samples(device="cpu"):
                                   NO_BOUND)
         A_inv, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu_t, C)
         yield "chunk_wy_bwd", (A_inv, A_ak, ag, v, rand_like(w), rand_like(u), cu_t, C,
-                               packed_tables(cu_t, B, T, C, device))
+                               torch.ops.dplr.chunk_tables(cu_t, B, T, C))
         o, ht, h, v_new = torch.ops.dplr.chunk_state_fwd(qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0,
                                                          cu_t, C, True, True)
         for use_h0, use_dht in ((True, True), (False, False)):

@@ -314,9 +314,9 @@ def test_cuda_graphs_reduce_overhead():
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_a_call_builds_its_chunk_tables_once(monkeypatch, varlen):
-    """Forward+backward builds the kernels' chunk tables once (ops.varlen.packed_tables in the
-    public function) and every stage op, forward and backward, reads them: the ops never build
-    their own (8-15 small launches each, host time small grids do not hide)."""
+    """Forward+backward builds the kernels' chunk tables once (dplr::chunk_tables in the public
+    function) and every stage op, forward and backward, reads them: the ops never build their
+    own (8-15 small launches each, host time small grids do not hide)."""
     from torch_dplr.ops import varlen as varlen_mod
 
     inp = make_inputs(1 if varlen else 2, 256, 4, 64, dtype=torch.bfloat16, device=DEV,

@@ -18,7 +18,8 @@ BWD = list(backward_samples())
 
 def test_every_op_has_samples():
     covered = {name for name, _ in FWD + BWD}
-    assert covered == set(ops.FORWARD_OPS) | set(ops.BACKWARD_OPS) | set(ops.NO_GRAD_OPS)
+    assert covered == (set(ops.FORWARD_OPS) | set(ops.BACKWARD_OPS) | set(ops.NO_GRAD_OPS)
+                       | set(ops.TABLE_OPS))
 
 
 def test_no_grad_op_refuses_a_backward():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
-from .ops.varlen import packed_tables
 from .validation import check_inputs
 
 DEFAULT_CHUNK_SIZE = 64
@@ -120,7 +119,7 @@ def _chunk(q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqle
         bound = max(bound, SAFE_GATE_BOUND)
     cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
     # the GPU kernels' chunk tables, built once for every op of the call (forward and backward)
-    tables = packed_tables(cu, q.shape[0], q.shape[1], C, q.device) if q.is_cuda else None
+    tables = torch.ops.dplr.chunk_tables(cu, q.shape[0], q.shape[1], C) if q.is_cuda else None
     if not _needs_grad(q, k, v, a, b, gk, initial_state):
         # nothing to keep for a backward: one op (one fused kernel on CUDA where it applies).
         # Grad mode and requires_grad are static to Dynamo: a compiled no-grad graph holds

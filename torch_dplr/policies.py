@@ -13,6 +13,7 @@ Shipped policies (``POLICIES``) name the ``dplr`` forward ops whose outputs are 
 other ``dplr`` forward op in the checkpointed region is recomputed in the backward:
 
 - ``"recompute_all"``: keep nothing but the region's inputs; every stage runs again.
+  (Every policy keeps the call's chunk tables, ``dplr::chunk_tables``: a few KB.)
 - ``"save_state"``: keep the state pass (o, per-chunk states, v_new), recompute the cheap
   intra-chunk and WY stages (FLA's default recompute trade).
 - ``"save_all"``: keep every stage; only the non-``dplr`` ops of the region are recomputed.
@@ -68,9 +69,14 @@ def recomputed_ops(policy) -> frozenset:
     return FORWARD_OPS - _resolve(policy)
 
 
+# Kept under every policy: the call's chunk tables (a few KB of int32), cheaper to keep than to
+# rebuild in the backward.
+ALWAYS_SAVED = frozenset({torch.ops.dplr.chunk_tables.default})
+
+
 def policy_fn(policy="save_state", extra_save_ops: Iterable = ()) -> Callable:
     """The per-op decision function for ``create_selective_checkpoint_contexts``."""
-    save = _resolve(policy) | frozenset(map(_as_overload, extra_save_ops))
+    save = _resolve(policy) | ALWAYS_SAVED | frozenset(map(_as_overload, extra_save_ops))
 
     def decide(ctx, op, *args, **kwargs):
         if op in save:

@@ -10,9 +10,11 @@ rect ``b * ceil(T/C) + c`` (so ``[B, slots, ...]`` flattens to ``[1, B*slots, ..
 ``chunk_offsets[n] + c`` inside ``ceil(T/C) + N - 1`` slots.
 
 Building the tables takes 8-15 small launches.  The public functions build them once per call
-as one packed int32 tensor (:func:`packed_tables`) and every stage op of the call, forward and
-backward, reads it (:func:`tables_for`): on small grids and varlen calls that host time is not
-hidden behind the kernels.  An op called without them builds its own.
+as one packed int32 tensor (``dplr::chunk_tables``, :func:`packed_tables`) and every stage op of
+the call, forward and backward, reads it (:func:`tables_for`): on small grids and varlen calls
+that host time is not hidden behind the kernels.  An op called without them builds its own.
+``chunk_tables`` is an op of its own so that a compiled graph or a selective-checkpoint region
+sees one node, not a dozen small ones (each a dispatch through the checkpoint's mode).
 """
 from __future__ import annotations
 
@@ -73,29 +75,51 @@ def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
     return KernelTables(cu_seqlens.to(torch.int32), *varlen_chunk_tables(cu_seqlens, T, chunk_size))
 
 
+def packed_sizes(cu_seqlens: torch.Tensor, B, T, chunk_size: int) -> tuple:
+    """Entries of each part of the packed tables ``[cu_seqlens | chunk_offsets | chunk_start |
+    chunk_len]``: ``(N + 1, N + 1, slots, slots)``.  Shapes only (SymInts welcome)."""
+    varlen = cu_seqlens.numel() != 0
+    seqs = cu_seqlens.shape[0] - 1 if varlen else B
+    slots = chunk_slots_per_batch(T, chunk_size, seqs if varlen else None)
+    slots = slots if varlen else B * slots
+    return (seqs + 1, seqs + 1, slots, slots)
+
+
 def packed_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
                   device: torch.device) -> torch.Tensor:
     """:func:`kernel_tables` as one int32 tensor ``[cu_seqlens | chunk_offsets | chunk_start |
-    chunk_len]`` (``2 (N + 1) + 2 slots`` entries), for the ``tables`` argument of the stage
-    ops.  Plain tensor code: a compiled graph holds it as ordinary (fusible) ops."""
+    chunk_len]`` (:func:`packed_sizes`), the ``tables`` argument of the stage ops."""
     t = kernel_tables(cu_seqlens, B, T, chunk_size, device)
     return torch.cat([t.cu_seqlens, t.chunk_offsets, t.chunk_start, t.chunk_len])
 
 
-def tables_for(tables: torch.Tensor | None, cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
-               device: torch.device) -> KernelTables:
+@torch.library.custom_op("dplr::chunk_tables", mutates_args=())
+def chunk_tables(cu_seqlens: torch.Tensor, batch_size: int, seq_len: int,
+                 chunk_size: int) -> torch.Tensor:
+    """The packed chunk tables of a call (:func:`packed_tables`) on ``cu_seqlens``' device
+    (rect calls pass an empty ``cu_seqlens`` on the inputs' device).  Integer in and out:
+    nothing to differentiate, so no autograd formula."""
+    return packed_tables(cu_seqlens, batch_size, seq_len, chunk_size, cu_seqlens.device)
+
+
+@chunk_tables.register_fake
+def _(cu_seqlens, batch_size, seq_len, chunk_size):
+    size = sum(packed_sizes(cu_seqlens, batch_size, seq_len, chunk_size))
+    return cu_seqlens.new_empty(size, dtype=torch.int32)
+
+
+def tables_for(tables: torch.Tensor | None, cu_seqlens: torch.Tensor, B: int, T: int,
+               chunk_size: int, device: torch.device) -> KernelTables:
     """The tables of an op call: views of the packed ``tables`` its caller built once for the
-    whole call (:func:`packed_tables`), or built here when it is None (a direct op call)."""
+    whole call (``dplr::chunk_tables``), or built here when it is None (a direct op call)."""
     if tables is None:
         return kernel_tables(cu_seqlens, B, T, chunk_size, device)
-    seqs = cu_seqlens.shape[0] - 1 if cu_seqlens.numel() else B
-    slots = chunk_slots_per_batch(T, chunk_size, seqs if cu_seqlens.numel() else None)
-    slots = slots if cu_seqlens.numel() else B * slots
-    if tables.dtype != torch.int32 or tables.shape != (2 * (seqs + 1) + 2 * slots,):
-        raise ValueError(f"tables: expected int32 [{2 * (seqs + 1) + 2 * slots}] for {seqs} "
-                         f"sequence(s) of chunk size {chunk_size}, got {tables.dtype} "
-                         f"{list(tables.shape)} (build it with packed_tables)")
-    cu, offsets, start, length = tables.split([seqs + 1, seqs + 1, slots, slots])
+    sizes = packed_sizes(cu_seqlens, B, T, chunk_size)
+    if tables.dtype != torch.int32 or tables.shape != (sum(sizes),):
+        raise ValueError(f"tables: expected int32 [{sum(sizes)}] for {sizes[0] - 1} sequence(s) "
+                         f"of chunk size {chunk_size}, got {tables.dtype} {list(tables.shape)} "
+                         "(build it with dplr::chunk_tables)")
+    cu, offsets, start, length = tables.split(sizes)
     return KernelTables(cu, start, length, offsets)
 
 
