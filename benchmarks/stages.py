@@ -96,7 +96,7 @@ def stage_calls(cell: Cell, inp: Inputs) -> dict[str, StageCall]:
     cu, h0, dht = _sentinels(cell, inp)
     q, k, v, a, b, gk = inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk
     # the chunk tables, built once as the public functions do (not part of any stage's time)
-    tables = dplr.chunk_tables(cu, q.shape[0], q.shape[1], C) if q.is_cuda else None
+    tables = dplr.chunk_tables(cu, q.shape[0], q.shape[1], C)
     done = {}
 
     def run(op, fn, *args):

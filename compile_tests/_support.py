@@ -42,11 +42,14 @@ from torch_dplr.ops import tilelang_path
 
 dplr = torch.ops.dplr
 
+# a chunked call's ops; every one builds its chunk tables once (dplr::chunk_tables: read by
+# the forward and backward ops, kept for the backward, never rebuilt there)
+CHUNK_TABLES = frozenset({dplr.chunk_tables.default})
 CHUNK_FWD = frozenset({dplr.chunk_intra_fwd.default, dplr.chunk_wy_fwd.default,
-                       dplr.chunk_state_fwd.default})
+                       dplr.chunk_state_fwd.default}) | CHUNK_TABLES
 CHUNK_BWD = frozenset({dplr.chunk_intra_bwd.default, dplr.chunk_wy_bwd.default,
                        dplr.chunk_state_bwd.default})
-CHUNK_NO_GRAD = frozenset({dplr.chunk_fwd_fused.default})  # a no-grad chunked call: one op
+CHUNK_NO_GRAD = frozenset({dplr.chunk_fwd_fused.default}) | CHUNK_TABLES  # no-grad: one op
 RECURRENT_FWD = frozenset({dplr.recurrent_fwd.default})
 RECURRENT_BWD = frozenset({dplr.recurrent_bwd.default})
 FORWARD_OPS = policies.FORWARD_OPS

@@ -17,6 +17,9 @@ from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, FORWARD_OPS, INDUCTOR
                        checkpointed, differentiable, dplr, dtype_id, make_block, make_inputs,
                        recurrent_fn, run_and_grad, two_chunk_calls)
 
+# the chunked forward ops a policy saves or recomputes (not the chunk tables, always kept)
+CHUNK_STAGES = CHUNK_FWD & FORWARD_OPS
+
 CUSTOM_POLICIES = {
     "custom_save_wy": frozenset({dplr.chunk_wy_fwd.default}),
     "custom_save_intra_state": frozenset({dplr.chunk_intra_fwd.default,
@@ -72,7 +75,7 @@ def expected_recompute(policy, forward_calls):
 def test_shipped_policies_recompute_what_they_document():
     intra, wy = dplr.chunk_intra_fwd.default, dplr.chunk_wy_fwd.default
     assert policies.recomputed_ops("recompute_all") == FORWARD_OPS
-    assert policies.recomputed_ops("save_state") & CHUNK_FWD == {intra, wy}
+    assert policies.recomputed_ops("save_state") & CHUNK_STAGES == {intra, wy}
     assert policies.recomputed_ops("save_all") == frozenset()
     assert policies.recomputed_ops({wy}) == FORWARD_OPS - {wy}
 
@@ -107,8 +110,9 @@ def test_policy_eager(policy, region):
     forward_calls = only(fwd.counts, FORWARD_OPS)
     calls = 2 if region.startswith("two_chunk") else 1
     assert forward_calls == {op: calls for op in
-                             (FORWARD_OPS - CHUNK_FWD if region == "recurrent" else CHUNK_FWD)}
+                             (FORWARD_OPS - CHUNK_STAGES if region == "recurrent" else CHUNK_STAGES)}
     assert only(bwd.counts, FORWARD_OPS) == expected_recompute(resolve(policy), forward_calls)
+    assert dplr.chunk_tables.default not in bwd.counts  # kept, never rebuilt
     # The backward ops run once per call whatever the policy (recompute adds, never replaces).
     assert sum(only(bwd.counts, BACKWARD_OPS).values()) == sum(forward_calls.values())
 
@@ -134,10 +138,11 @@ def test_policy_compiled(recorder, policy, region):
     assert recorder.frames == 1
     calls = 2 if region.startswith("two_chunk") else 1
     forward_calls = only(recorder.counts("forward"), FORWARD_OPS)
-    assert forward_calls == {op: calls for op in CHUNK_FWD}
+    assert forward_calls == {op: calls for op in CHUNK_STAGES}
     assert len(recorder.backward) == 1
     backward = recorder.counts("backward")
     assert only(backward, FORWARD_OPS) == expected_recompute(resolve(policy), forward_calls)
+    assert dplr.chunk_tables.default not in backward  # kept, never rebuilt
     assert sum(only(backward, BACKWARD_OPS).values()) == sum(forward_calls.values())
 
 
@@ -185,7 +190,7 @@ def test_extra_save_ops_eager():
     assert bwd_mm == base_bwd_mm  # ... and kept when listed
     # The dplr part of the policy is unchanged by extra_save_ops.
     assert only(bwd.counts, FORWARD_OPS) == {op: 1 for op in policies.recomputed_ops("save_state")
-                                            if op in CHUNK_FWD}
+                                            if op in CHUNK_STAGES}
 
 
 def test_extra_save_ops_compiled(recorder):
@@ -228,7 +233,7 @@ def test_policy_inductor(inductor_recorder, dtype):
     assert_all_close(out, out_ref, INDUCTOR_TOL)
     assert_all_close(grads, grads_ref, INDUCTOR_TOL)
     forward_calls = only(inductor_recorder.counts("forward"), FORWARD_OPS)
-    assert forward_calls == {op: 1 for op in CHUNK_FWD}
+    assert forward_calls == {op: 1 for op in CHUNK_STAGES}
     assert only(inductor_recorder.counts("backward"), FORWARD_OPS) == \
         expected_recompute("save_state", forward_calls)
 

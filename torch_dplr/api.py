@@ -118,8 +118,9 @@ def _chunk(q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqle
     if safe_gate:
         bound = max(bound, SAFE_GATE_BOUND)
     cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
-    # the GPU kernels' chunk tables, built once for every op of the call (forward and backward)
-    tables = torch.ops.dplr.chunk_tables(cu, q.shape[0], q.shape[1], C) if q.is_cuda else None
+    # the GPU kernels' chunk tables, built once for every op of the call (forward and backward;
+    # the PyTorch kernels ignore them, built anyway so a graph is the same on every device)
+    tables = torch.ops.dplr.chunk_tables(cu, q.shape[0], q.shape[1], C)
     if not _needs_grad(q, k, v, a, b, gk, initial_state):
         # nothing to keep for a backward: one op (one fused kernel on CUDA where it applies).
         # Grad mode and requires_grad are static to Dynamo: a compiled no-grad graph holds
