@@ -13,7 +13,8 @@
 #                       outside the checkout (e.g. /tmp/bench) survives between the calls of a
 #                       warm machine, so `--resume` continues a run split over several calls
 #   PROFILE="<args>"    tools/profile_pipeline.py <args>: per-kernel device time ($OUT/profile.*)
-#   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time
+#   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time (without
+#                       TileLang's compile-time cuda-binaries folder: loading reads kernels/ only)
 #   SAVE_FLA_CACHE=1    what FLA tuned and compiled here (Triton autotune results, TileLang
 #                       kernels) as $OUT/fla_cache.tar.xz; pack_gpu_bundle.sh FLA_CACHE=... carries
 #                       it, so the next machine neither re-tunes nor re-JITs FLA
@@ -67,7 +68,8 @@ if [ -n "${PROFILE+x}" ]; then
   grep -A12 "^==" "$OUT/profile.log"
 fi
 if [ -n "${SAVE_CACHE:-}" ]; then
-  tar -C /tmp/tlc -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"; ls -la "$OUT/tlcache.tar.xz"
+  tar -C /tmp/tlc --exclude='./*/cuda-binaries' -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"
+  ls -la "$OUT/tlcache.tar.xz"
 fi
 if [ -n "${SAVE_FLA_CACHE:-}" ]; then  # autotune results, and TileLang kernels made here
   save_fla_cache "$OUT/fla_cache.tar.xz" tilelang; ls -la "$OUT/fla_cache.tar.xz"

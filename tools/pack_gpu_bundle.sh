@@ -7,7 +7,8 @@
 # and FLA's tuning and TileLang kernels from one ($OUT/fla_cache.tar.xz) when FLA_CACHE does.
 # A kernel cache holding only what the benchmark envelope runs, built on this CPU machine:
 #   TILELANG_CACHE_DIR=/tmp/tlc_env python -m benchmarks.prewarm --no-fla
-#   tar -C /tmp/tlc_env -cf - . | xz -6 > /tmp/tlc_env.tar.xz   # then KERNEL_CACHE=/tmp/tlc_env.tar.xz
+#   tar -C /tmp/tlc_env --exclude='./*/cuda-binaries' -cf - . | xz -6 > /tmp/tlc_env.tar.xz
+#   (then KERNEL_CACHE=/tmp/tlc_env.tar.xz; TileLang's cuda-binaries only serve compiles)
 # Then: device run, carry [".gpu"], `GPU_TESTS="tests/test_cuda.py" bash tools/gpu_run.sh`, or the
 # whole benchmark envelope over several calls of a warm machine: `bash tools/envelope_run.sh`.
 set -euo pipefail
