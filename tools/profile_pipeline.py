@@ -7,8 +7,10 @@ is given.  ``--N`` packs ``N`` varlen sequences into one row of ``T`` tokens (``
 ``--cprofile STEPS`` then runs that many steady-state steps of each under cProfile and prints
 the Python functions with the most own and cumulative time (where the host time of a
 host-bound call goes: op bodies, table building, TileLang's launch wrapper, autograd).
+``--policy NAME`` runs the forward+backward under non-reentrant checkpointing with that
+``torch_dplr.policies`` policy (as the benchmark's ``save_state`` cells do).
 Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64] [--N 64] [--out f.jsonl]
-       [--cprofile 50]
+       [--cprofile 50] [--policy save_state]
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
 
 import torch_dplr
+from torch_dplr import policies
 from torch_dplr.testing import RWKV7_BOUND
 from benchmarks.cells import Shape
 from benchmarks.inputs import make
@@ -90,6 +94,7 @@ def main():
         p.add_argument(f"--{n}", type=int, default=d)
     p.add_argument("--out", help="JSON lines, appended")
     p.add_argument("--cprofile", type=int, default=0, metavar="STEPS")
+    p.add_argument("--policy", help="a torch_dplr.policies name: checkpoint the forward+backward")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     args = p.parse_args()
     shape = Shape(1 if args.N else args.B, args.T, args.H, args.D, args.N)
@@ -106,17 +111,27 @@ def main():
 
     leaves = [x.detach().requires_grad_() for x in (inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk)]
 
+    context_fn = policies.context_fn(args.policy) if args.policy else None
+
+    def region(*xs):
+        return fn(*xs, **kw)
+
     def fwd_bwd():
         for x in leaves:  # a fresh step: no gradient accumulation kernels in the profile
             x.grad = None
-        o, ht = fn(*leaves, **kw)
+        if context_fn is None:
+            o, ht = region(*leaves)
+        else:
+            o, ht = checkpoint(region, *leaves, use_reentrant=False, context_fn=context_fn)
         torch.autograd.backward((o, ht), (inp.do, inp.dht))
 
-    run(fwd, f"fwd {shape.label} c{args.chunk}", out)
-    run(fwd_bwd, f"fwd_bwd {shape.label} c{args.chunk}", out)
+    tag = f"{shape.label} c{args.chunk}"
+    bwd_tag = f"{tag} {args.policy}" if args.policy else tag
+    run(fwd, f"fwd {tag}", out)
+    run(fwd_bwd, f"fwd_bwd {bwd_tag}", out)
     if args.cprofile:
-        python_profile(fwd, f"fwd {shape.label} c{args.chunk}", args.cprofile)
-        python_profile(fwd_bwd, f"fwd_bwd {shape.label} c{args.chunk}", args.cprofile)
+        python_profile(fwd, f"fwd {tag}", args.cprofile)
+        python_profile(fwd_bwd, f"fwd_bwd {bwd_tag}", args.cprofile)
     if out:
         out.close()
 
