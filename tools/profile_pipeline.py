@@ -8,9 +8,11 @@ is given.  ``--N`` packs ``N`` varlen sequences into one row of ``T`` tokens (``
 the Python functions with the most own and cumulative time (where the host time of a
 host-bound call goes: op bodies, table building, TileLang's launch wrapper, autograd).
 ``--policy NAME`` runs the forward+backward under non-reentrant checkpointing with that
-``torch_dplr.policies`` policy (as the benchmark's ``save_state`` cells do).
+``torch_dplr.policies`` policy (as the benchmark's ``save_state`` cells do).  ``--compile``
+runs both steps under ``torch.compile(fullgraph=True)`` (the benchmark times eager calls; a
+compiled model pays no per-op Python dispatch or autograd bookkeeping).
 Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64] [--N 64] [--out f.jsonl]
-       [--cprofile 50] [--policy save_state]
+       [--cprofile 50] [--policy save_state] [--compile]
 """
 from __future__ import annotations
 
@@ -95,6 +97,9 @@ def main():
     p.add_argument("--out", help="JSON lines, appended")
     p.add_argument("--cprofile", type=int, default=0, metavar="STEPS")
     p.add_argument("--policy", help="a torch_dplr.policies name: checkpoint the forward+backward")
+    p.add_argument("--compile", action="store_true",
+                   help="both steps under torch.compile(fullgraph=True), as a compiled model runs "
+                        "them (the checkpoint inside the compiled function)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     args = p.parse_args()
     shape = Shape(1 if args.N else args.B, args.T, args.H, args.D, args.N)
@@ -105,10 +110,6 @@ def main():
     out = open(args.out, "a") if args.out else None
     fn = torch_dplr.chunk_dplr_delta_rule
 
-    def fwd():
-        with torch.no_grad():
-            fn(inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk, **kw)
-
     leaves = [x.detach().requires_grad_() for x in (inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk)]
 
     context_fn = policies.context_fn(args.policy) if args.policy else None
@@ -116,16 +117,27 @@ def main():
     def region(*xs):
         return fn(*xs, **kw)
 
+    def forward(*xs):
+        if context_fn is None:
+            return region(*xs)
+        return checkpoint(region, *xs, use_reentrant=False, context_fn=context_fn)
+
+    no_grad_forward = region
+    if args.compile:  # compiled once here, outside the timed and profiled steps
+        forward = torch.compile(forward, fullgraph=True)
+        no_grad_forward = torch.compile(region, fullgraph=True)
+
+    def fwd():
+        with torch.no_grad():
+            no_grad_forward(inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk)
+
     def fwd_bwd():
         for x in leaves:  # a fresh step: no gradient accumulation kernels in the profile
             x.grad = None
-        if context_fn is None:
-            o, ht = region(*leaves)
-        else:
-            o, ht = checkpoint(region, *leaves, use_reentrant=False, context_fn=context_fn)
+        o, ht = forward(*leaves)
         torch.autograd.backward((o, ht), (inp.do, inp.dht))
 
-    tag = f"{shape.label} c{args.chunk}"
+    tag = f"{shape.label} c{args.chunk}" + (" compiled" if args.compile else "")
     bwd_tag = f"{tag} {args.policy}" if args.policy else tag
     run(fwd, f"fwd {tag}", out)
     run(fwd_bwd, f"fwd_bwd {bwd_tag}", out)

@@ -52,7 +52,7 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
 
 @chunk_intra_fwd.register_kernel("cuda")
 @without_autocast
-def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
+def chunk_intra_fwd_cuda(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
     B, T, _, K = q.shape
     kernel = (kernel_for("intra_fwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
               if _intra_kernel_applies(q, gk, chunk_size) else None)

@@ -84,8 +84,8 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
 
 @chunk_state_fwd.register_kernel("cuda")
 @without_autocast
-def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size,
-      use_initial_state, keep_activations, tables=None):
+def chunk_state_fwd_cuda(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens,
+                         chunk_size, use_initial_state, keep_activations, tables=None):
     B, T, H, K = qg.shape
     V = v.shape[-1]
     kernel = (kernel_for("state_fwd", chunk_size, K, V, v.dtype)

@@ -39,7 +39,7 @@ def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size, tables=None):
 
 @chunk_wy_fwd.register_kernel("cuda")
 @without_autocast
-def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size, tables=None):
+def chunk_wy_fwd_cuda(A_ab, A_ak, ag, v, cu_seqlens, chunk_size, tables=None):
     B, T, _, K = ag.shape
     V = v.shape[-1]
     applies = kernels_apply(v, chunk_size, K, V) and A_ab.dtype == acc_dtype(v.dtype)
