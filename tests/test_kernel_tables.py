@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from torch_dplr.ops.varlen import (as_one_sequence_list, kernel_tables, packed_sizes, packed_tables,
-                                   tables_for, varlen_chunk_tables)
+from torch_dplr.ops.varlen import (as_one_sequence_list, kernel_tables, packed_tables, tables_for,
+                                   varlen_chunk_tables)
 
 
 @pytest.mark.parametrize("B,T,C", [(3, 100, 64), (1, 5, 16), (2, 128, 32), (4, 1, 64), (2, 64, 64)])
@@ -59,15 +59,3 @@ def test_packed_tables_of_another_layout_are_refused():
         tables_for(packed, torch.empty(0, dtype=torch.int64), 2, 100, 32, "cpu")
     with pytest.raises(ValueError, match="tables"):
         tables_for(packed.long(), torch.empty(0, dtype=torch.int64), 2, 100, 64, "cpu")
-
-
-def test_rect_packed_tables_are_kept_per_shape_and_copied_per_call():
-    cu = torch.empty(0, dtype=torch.int64)
-    first = packed_tables(cu, 3, 100, 32, "cpu")
-    built = torch.cat(list(kernel_tables(cu, 3, 100, 32, "cpu")[i] for i in (0, 3, 1, 2)))
-    assert torch.equal(first, built)
-    first.fill_(-1)  # a caller's copy: the next call's tables are untouched
-    again = packed_tables(cu, 3, 100, 32, "cpu")
-    assert torch.equal(again, built) and again.data_ptr() != first.data_ptr()
-    other = packed_tables(cu, 2, 100, 32, "cpu")  # another shape: its own tables
-    assert other.numel() == sum(packed_sizes(cu, 2, 100, 32))

@@ -9,11 +9,10 @@ real chunk has length 0); kernels over sequences read ``cu_seqlens`` and ``chunk
 rect ``b * ceil(T/C) + c`` (so ``[B, slots, ...]`` flattens to ``[1, B*slots, ...]``), varlen
 ``chunk_offsets[n] + c`` inside ``ceil(T/C) + N - 1`` slots.
 
-Building the tables takes 8-15 small launches (a rect call's packed tables are kept per shape
-and copied: one launch).  The public functions build them once per call as one packed int32
-tensor (``dplr::chunk_tables``, :func:`packed_tables`) and every stage op of the call, forward
-and backward, reads it (:func:`tables_for`): on small grids and varlen calls that host time is
-not hidden behind the kernels.  An op called without them builds its own.
+Building the tables takes 8-15 small launches.  The public functions build them once per call
+as one packed int32 tensor (``dplr::chunk_tables``, :func:`packed_tables`) and every stage op of
+the call, forward and backward, reads it (:func:`tables_for`): on small grids and varlen calls
+that host time is not hidden behind the kernels.  An op called without them builds its own.
 ``chunk_tables`` is an op of its own so that a compiled graph or a selective-checkpoint region
 sees one node, not a dozen small ones (each a dispatch through the checkpoint's mode).
 """
@@ -55,8 +54,10 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, T: int, chunk_size: int, slots
 
 
 def _rect_tables(B: int, T: int, chunk_size: int, device: torch.device) -> KernelTables:
-    # closed form, a few tiny launches per call; not cached: a tensor kept across calls would
-    # be allocated inside a CUDA-graph memory pool when first built under capture
+    # closed form, a few tiny launches per call; not cached: a tensor kept across calls may be
+    # allocated inside a CUDA-graph memory pool, and not only under capture (torch.compile's
+    # reduce-overhead mode also allocates from its pool while warming up: a cache that skipped
+    # capture alone failed test_cuda_graphs_reduce_overhead on the H200, session 9)
     nt = chunk_slots_per_batch(T, chunk_size, None)
     seq = torch.arange(B + 1, device=device, dtype=torch.int32)
     slot = torch.arange(B * nt, device=device, dtype=torch.int32)
@@ -86,39 +87,12 @@ def packed_sizes(cu_seqlens: torch.Tensor, B, T, chunk_size: int) -> tuple:
     return (seqs + 1, seqs + 1, slots, slots)
 
 
-def _pack(t: KernelTables) -> torch.Tensor:
-    return torch.cat([t.cu_seqlens, t.chunk_offsets, t.chunk_start, t.chunk_len])
-
-
-# Rect tables depend on (B, T, C, device) only: each is built once per process and copied per
-# call, one launch instead of eight (on the H200's host those eight cost ~0.1 ms, which a
-# small-grid call does not hide behind its kernels).  The copy keeps a caller from sharing
-# storage with the cache; a table first built while a CUDA graph is being captured is not kept
-# (its memory belongs to the graph's pool).
-_rect_packed: dict[tuple, torch.Tensor] = {}
-RECT_TABLES_KEPT = 256
-
-
-def _rect_packed_tables(B: int, T: int, chunk_size: int, device: torch.device) -> torch.Tensor:
-    key = (B, T, chunk_size, device)
-    packed = _rect_packed.get(key)
-    if packed is None:
-        packed = _pack(_rect_tables(B, T, chunk_size, device))
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return packed
-        if len(_rect_packed) >= RECT_TABLES_KEPT:
-            _rect_packed.pop(next(iter(_rect_packed)))  # the oldest
-        _rect_packed[key] = packed
-    return packed.clone()
-
-
 def packed_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
                   device: torch.device) -> torch.Tensor:
     """:func:`kernel_tables` as one int32 tensor ``[cu_seqlens | chunk_offsets | chunk_start |
     chunk_len]`` (:func:`packed_sizes`), the ``tables`` argument of the stage ops."""
-    if cu_seqlens.numel() == 0:
-        return _rect_packed_tables(B, T, chunk_size, torch.device(device))
-    return _pack(kernel_tables(cu_seqlens, B, T, chunk_size, device))
+    t = kernel_tables(cu_seqlens, B, T, chunk_size, device)
+    return torch.cat([t.cu_seqlens, t.chunk_offsets, t.chunk_start, t.chunk_len])
 
 
 @torch.library.custom_op("dplr::chunk_tables", mutates_args=())
