@@ -1,9 +1,10 @@
 """Timing one callable: CUDA events around each repetition, median, L2 flushed between reps.
 
 Protocol per (implementation, cell): one first call (compiles, autotunes; timed on the host
-clock and reported apart), up to ``warmup`` more calls, then ``reps`` repetitions, each after
-zeroing a buffer larger than the L2 cache so every rep reads its inputs from HBM.  The number of
-repetitions shrinks so that they fit ``cap_s`` seconds (the per-cell time cap); a call slower
+clock and reported apart), up to ``warmup`` more calls (the first of them always runs: the
+number of repetitions is sized on it), then ``reps`` repetitions, each after zeroing a buffer
+larger than the L2 cache so every rep reads its inputs from HBM.  The number of repetitions
+shrinks so that they fit ``cap_s`` seconds (the per-cell time cap); a call slower
 than the cap is timed once.  Peak memory is measured in one extra call:
 ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus what was
 allocated before the call (so it counts what the call itself allocates: outputs, kept
@@ -86,8 +87,11 @@ class Timer:
 
     def measure(self, fn: Callable) -> Measurement:
         first_s = self._wall(fn)
-        last_s = first_s
-        for _ in range(self.warmup):
+        # the rep count comes from a steady call, never from the first one, which may compile
+        # or autotune (FLA's first calls took 20-160 s in session 9's run; counting reps from
+        # them left 13 FLA cells with one rep, timed right after tuning)
+        last_s = self._wall(fn) if self.warmup else first_s
+        for _ in range(self.warmup - 1):
             if last_s > self.cap_s:
                 break
             last_s = self._wall(fn)

@@ -3,6 +3,7 @@ per-stage breakdown."""
 import json
 import os
 import random
+import time
 
 import pytest
 
@@ -408,3 +409,16 @@ def test_report_merges_shards_in_envelope_order_and_counts_coverage(tmp_path):
     line = report.coverage(report.load(out))[-1]
     assert line.startswith(f"Cells measured: {len(picked)} of the envelope's {len(envelope)}.")
     assert "B2-T4096-H8-D64 chunk 16 (12)" in line  # a whole group not measured
+
+
+def test_reps_are_sized_on_a_steady_call_not_on_the_first():
+    """A first call slower than the cap (compiling, autotuning) must not leave the cell with
+    one rep: the count comes from the warm-up call after it."""
+    calls = []
+
+    def step():
+        calls.append(None)
+        time.sleep(0.2 if len(calls) == 1 else 0.001)
+
+    m = harness.Timer("cpu", reps=5, warmup=2, cap_s=0.1).measure(step)
+    assert m.reps == 5 and m.first_call_s >= 0.2 and m.ms < 50
