@@ -10,9 +10,11 @@ host-bound call goes: op bodies, table building, TileLang's launch wrapper, auto
 ``--policy NAME`` runs the forward+backward under non-reentrant checkpointing with that
 ``torch_dplr.policies`` policy (as the benchmark's ``save_state`` cells do).  ``--compile``
 runs both steps under ``torch.compile(fullgraph=True)`` (the benchmark times eager calls; a
-compiled model pays no per-op Python dispatch or autograd bookkeeping).
+compiled step skips the public function's Python and the per-op autograd wrappers, but each
+op's own Python still runs); ``--compile-mode reduce-overhead`` replays them as CUDA graphs,
+which skips the host work altogether.
 Usage: python tools/profile_pipeline.py [--B 8 --T 4096 --H 32 --D 64 --chunk 64] [--N 64] [--out f.jsonl]
-       [--cprofile 50] [--policy save_state] [--compile]
+       [--cprofile 50] [--policy save_state] [--compile [--compile-mode reduce-overhead]]
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ def main():
     p.add_argument("--compile", action="store_true",
                    help="both steps under torch.compile(fullgraph=True), as a compiled model runs "
                         "them (the checkpoint inside the compiled function)")
+    p.add_argument("--compile-mode", help="torch.compile's mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     args = p.parse_args()
     shape = Shape(1 if args.N else args.B, args.T, args.H, args.D, args.N)
@@ -124,8 +127,8 @@ def main():
 
     no_grad_forward = region
     if args.compile:  # compiled once here, outside the timed and profiled steps
-        forward = torch.compile(forward, fullgraph=True)
-        no_grad_forward = torch.compile(region, fullgraph=True)
+        forward = torch.compile(forward, fullgraph=True, mode=args.compile_mode)
+        no_grad_forward = torch.compile(region, fullgraph=True, mode=args.compile_mode)
 
     def fwd():
         with torch.no_grad():
@@ -137,7 +140,7 @@ def main():
         o, ht = forward(*leaves)
         torch.autograd.backward((o, ht), (inp.do, inp.dht))
 
-    tag = f"{shape.label} c{args.chunk}" + (" compiled" if args.compile else "")
+    tag = f"{shape.label} c{args.chunk}" + (f" compiled {args.compile_mode or ''}" if args.compile else "")
     bwd_tag = f"{tag} {args.policy}" if args.policy else tag
     run(fwd, f"fwd {tag}", out)
     run(fwd_bwd, f"fwd_bwd {bwd_tag}", out)
