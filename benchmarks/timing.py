@@ -4,8 +4,8 @@ Protocol per (implementation, cell): one first call (compiles, autotunes; timed 
 clock and reported apart), up to ``warmup`` more calls (the first of them always runs: the
 number of repetitions is sized on it), then ``reps`` repetitions, each after zeroing a buffer
 larger than the L2 cache so every rep reads its inputs from HBM.  The number of repetitions
-shrinks so that they fit ``cap_s`` seconds (the per-cell time cap); a call slower
-than the cap is timed once.  Peak memory is measured in one extra call:
+shrinks so that they fit ``cap_s`` seconds (the per-cell time cap); a call slower than the cap
+is timed once.  Peak memory is measured in one extra call:
 ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus what was
 allocated before the call (so it counts what the call itself allocates: outputs, kept
 intermediates, gradients), in MB (1e6 bytes).  On the CPU the host clock times each rep and

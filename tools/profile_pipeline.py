@@ -140,7 +140,8 @@ def main():
         o, ht = forward(*leaves)
         torch.autograd.backward((o, ht), (inp.do, inp.dht))
 
-    tag = f"{shape.label} c{args.chunk}" + (f" compiled {args.compile_mode or ''}" if args.compile else "")
+    tag = " ".join([shape.label, f"c{args.chunk}"] + ["compiled"] * args.compile
+                   + [args.compile_mode] * bool(args.compile and args.compile_mode))
     bwd_tag = f"{tag} {args.policy}" if args.policy else tag
     run(fwd, f"fwd {tag}", out)
     run(fwd_bwd, f"fwd_bwd {bwd_tag}", out)
