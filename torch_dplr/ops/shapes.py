@@ -15,7 +15,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _num_seqs(cu_seqlens):
+def varlen_sequences(cu_seqlens):
+    """N for a varlen call (``cu_seqlens`` [N+1]), None for a rect one (empty sentinel)."""
     return None if cu_seqlens.numel() == 0 else cu_seqlens.shape[0] - 1
 
 
@@ -36,7 +37,7 @@ def intra_fwd_shapes(q, gk, cu_seqlens, chunk_size):
     """gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg."""
     B, T, H, K = q.shape
     acc = acc_dtype(q.dtype)
-    slots = chunk_slots_per_batch(T, chunk_size, _num_seqs(cu_seqlens))
+    slots = chunk_slots_per_batch(T, chunk_size, varlen_sequences(cu_seqlens))
     mat = (B, T, H, chunk_size)
     return (((B, slots, H, K), acc), (mat, q.dtype), (mat, q.dtype), (mat, acc), (mat, acc),
             *(((B, T, H, K), q.dtype),) * 4)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..reference.layout import chunk_slots_per_batch
+from .shapes import varlen_sequences
 
 
 class KernelTables(NamedTuple):
@@ -80,10 +81,9 @@ def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
 def packed_sizes(cu_seqlens: torch.Tensor, B, T, chunk_size: int) -> tuple:
     """Entries of each part of the packed tables ``[cu_seqlens | chunk_offsets | chunk_start |
     chunk_len]``: ``(N + 1, N + 1, slots, slots)``.  Shapes only (SymInts welcome)."""
-    varlen = cu_seqlens.numel() != 0
-    seqs = cu_seqlens.shape[0] - 1 if varlen else B
-    slots = chunk_slots_per_batch(T, chunk_size, seqs if varlen else None)
-    slots = slots if varlen else B * slots
+    N = varlen_sequences(cu_seqlens)
+    per_batch = chunk_slots_per_batch(T, chunk_size, N)
+    seqs, slots = (B, B * per_batch) if N is None else (N, per_batch)
     return (seqs + 1, seqs + 1, slots, slots)
 
 
