@@ -312,6 +312,40 @@ def test_cuda_graphs_reduce_overhead():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
+def test_rect_tables_are_one_async_copy_and_closed_form_under_capture(monkeypatch):
+    """On CUDA a rect call's tables are copied from a pinned host copy without a host sync; a
+    CUDA graph captures the closed form on the device instead, so its replays read no host
+    buffer (dropping every host copy leaves them right)."""
+    from torch_dplr.ops import varlen as varlen_mod
+
+    empty = torch.empty(0, dtype=torch.int64, device=DEV)
+    want = varlen_mod.packed_tables(empty.cpu(), 3, 200, 32, "cpu")
+    torch.ops.dplr.chunk_tables(empty, 3, 200, 32)  # the host copy of this shape exists now
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = torch.ops.dplr.chunk_tables(empty, 3, 200, 32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu(), want)
+
+    host_copies = []
+    real = varlen_mod._rect_packed_on_host
+    monkeypatch.setattr(varlen_mod, "_rect_packed_on_host",
+                        lambda *a: host_copies.append(a) or real(*a))
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            captured = torch.ops.dplr.chunk_tables(empty, 3, 200, 32)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert host_copies == []
+    real.cache_clear()
+    captured.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.cpu(), want)
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_a_call_builds_its_chunk_tables_once(monkeypatch, varlen):
     """Forward+backward builds the kernels' chunk tables once (dplr::chunk_tables in the public
@@ -324,8 +358,8 @@ def test_a_call_builds_its_chunk_tables_once(monkeypatch, varlen):
     cu = torch.tensor([0, 5, 100, 256], device=DEV) if varlen else None
     _call(inp, 64, RWKV7_BOUND, cu)  # kernels loaded, tables built the ordinary way
     built = []
-    real = varlen_mod.kernel_tables
-    monkeypatch.setattr(varlen_mod, "kernel_tables", lambda *a: built.append(a) or real(*a))
+    real = varlen_mod.packed_tables
+    monkeypatch.setattr(varlen_mod, "packed_tables", lambda *a: built.append(a) or real(*a))
     o, ht, grads = _call(inp, 64, RWKV7_BOUND, cu)
     assert len(built) == 1
     torch.cuda.synchronize()

@@ -59,3 +59,13 @@ def test_packed_tables_of_another_layout_are_refused():
         tables_for(packed, torch.empty(0, dtype=torch.int64), 2, 100, 32, "cpu")
     with pytest.raises(ValueError, match="tables"):
         tables_for(packed.long(), torch.empty(0, dtype=torch.int64), 2, 100, 64, "cpu")
+
+
+def test_each_call_gets_tables_of_its_own():
+    """Rect tables come from a host copy kept per shape: a call's tensor is a copy of it, so a
+    caller writing into one call's tables does not change the next call's."""
+    empty = torch.empty(0, dtype=torch.int64)
+    first = packed_tables(empty, 2, 100, 32, "cpu")
+    want = first.clone()
+    first.fill_(-1)
+    assert torch.equal(packed_tables(empty, 2, 100, 32, "cpu"), want)

@@ -14,7 +14,8 @@
 #      the job fails when either fails (for CHECKS: its last command's status).
 #      SIDE="cmd" runs cmd on GPU 0 meanwhile (e.g. tools/tune_knobs.py) and keeps the prewarm
 #      off GPU 0 (on a host of several GPUs), so that its timings have that GPU to themselves
-#   3. when all of them are done: one harness process per GPU (--shard i/n, --no-prewarm),
+#   3. when all of them are done, and the tests passed (TIME_DESPITE_TESTS=1: whatever they
+#      gave): one harness process per GPU (--shard i/n, --no-prewarm),
 #      each timing its share of the cells on its own GPU: the comparison cells (fwd, fwd_bwd)
 #      first, then the stage cells
 #   4. when every shard is done: the shards' JSON lines concatenated into h200.json, and the
@@ -91,6 +92,11 @@ while true; do
     for job in prewarm tests side; do
       [ -f "$W/$job.done" ] && echo "$job rc=$(cat "$W/$job.done"): $(tail -1 "$W/$job.log")"
     done
+    if [ -f "$W/tests.done" ] && [ "$(cat "$W/tests.done")" != 0 ] && [ -z "${TIME_DESPITE_TESTS:-}" ]; then
+      # results of code whose tests fail are not results; keep the device time for a fix
+      echo "tests failed: no cell timed (TIME_DESPITE_TESTS=1 times them anyway)"
+      break
+    fi
     for i in $(seq 0 $((NGPU - 1))); do
       shard=""; [ "$NGPU" -gt 1 ] && shard="--shard $i/$NGPU"
       # the comparison cells first, the per-stage breakdown after them (same file, --resume)

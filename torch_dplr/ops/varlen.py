@@ -1,4 +1,4 @@
-"""Chunk tables for the GPU kernels, built on the device: no host sync, fixed sizes.
+"""Chunk tables for the GPU kernels, built without a host sync, in fixed sizes.
 
 Every TileLang kernel sees one list of sequences (token tensors ``[1, T, H, D]``): a rect
 batch ``[B, T, ...]`` is passed as the ``B`` sequences ``cu_seqlens = [0, T, 2T, ...]`` of a
@@ -9,15 +9,18 @@ real chunk has length 0); kernels over sequences read ``cu_seqlens`` and ``chunk
 rect ``b * ceil(T/C) + c`` (so ``[B, slots, ...]`` flattens to ``[1, B*slots, ...]``), varlen
 ``chunk_offsets[n] + c`` inside ``ceil(T/C) + N - 1`` slots.
 
-Building the tables takes 8-15 small launches.  The public functions build them once per call
-as one packed int32 tensor (``dplr::chunk_tables``, :func:`packed_tables`) and every stage op of
-the call, forward and backward, reads it (:func:`tables_for`): on small grids and varlen calls
-that host time is not hidden behind the kernels.  An op called without them builds its own.
+Varlen tables take about 15 small launches on the device (they depend on ``cu_seqlens``'
+values); rect tables depend on (B, T, C) alone and arrive in one asynchronous copy from a host
+copy.  The public functions build them once per call as one packed int32 tensor
+(``dplr::chunk_tables``, :func:`packed_tables`) and every stage op of the call, forward and
+backward, reads it (:func:`tables_for`): on small grids and varlen calls that host time is not
+hidden behind the kernels.  An op called without them builds its own.
 ``chunk_tables`` is an op of its own so that a compiled graph or a selective-checkpoint region
 sees one node, not a dozen small ones (each a dispatch through the checkpoint's mode).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -54,28 +57,39 @@ def varlen_chunk_tables(cu_seqlens: torch.Tensor, T: int, chunk_size: int, slots
     return start.to(torch.int32), length.to(torch.int32), offsets.to(torch.int32)
 
 
-def _rect_tables(B: int, T: int, chunk_size: int, device: torch.device) -> KernelTables:
-    # closed form, a few tiny launches per call; not cached: a tensor kept across calls may be
-    # allocated inside a CUDA-graph memory pool, and not only under capture (torch.compile's
-    # reduce-overhead mode also allocates from its pool while warming up: a cache that skipped
-    # capture alone failed test_cuda_graphs_reduce_overhead on the H200, session 9)
+def _rect_packed_closed_form(B: int, T: int, chunk_size: int, device) -> torch.Tensor:
+    """The packed tables of ``B`` sequences of ``T`` (:func:`packed_tables`), computed on
+    ``device`` in a dozen tiny ops."""
     nt = chunk_slots_per_batch(T, chunk_size, None)
     seq = torch.arange(B + 1, device=device, dtype=torch.int32)
     slot = torch.arange(B * nt, device=device, dtype=torch.int32)
     offset_in_seq = (slot % nt) * chunk_size
     start = (slot // nt) * T + offset_in_seq
     length = (T - offset_in_seq).clamp_(max=chunk_size)
-    return KernelTables(seq * T, start, length, seq * nt)
+    return torch.cat([seq * T, seq * nt, start, length])
 
 
-def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
-                  device: torch.device) -> KernelTables:
-    """Tables for a rect (``cu_seqlens.numel() == 0``: ``B`` sequences of ``T``) or varlen call."""
-    if cu_seqlens.numel() == 0:
-        return _rect_tables(B, T, chunk_size, torch.device(device))
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences are packed along T), got B={B}")
-    return KernelTables(cu_seqlens.to(torch.int32), *varlen_chunk_tables(cu_seqlens, T, chunk_size))
+@functools.lru_cache(maxsize=1024)
+def _rect_packed_on_host(B: int, T: int, chunk_size: int, pinned: bool) -> torch.Tensor:
+    """The packed rect tables in host memory (page-locked when ``pinned``), built once per
+    shape and never written again: every call copies from it."""
+    packed = _rect_packed_closed_form(B, T, chunk_size, "cpu")
+    return packed.pin_memory() if pinned else packed
+
+
+def _rect_packed(B: int, T: int, chunk_size: int, device: torch.device) -> torch.Tensor:
+    # On CUDA one asynchronous copy from a pinned host copy (no host sync) instead of a dozen
+    # launches: 110-210 us of host time on the H200's host, which small grids do not hide
+    # (session 9, tools/host_probe.py).  Not while a CUDA graph is captured: the graph would
+    # read the host buffer at every replay, and an evicted one is freed; the closed form
+    # runs there, inside the graph.  No device tensor is kept across calls (a kept one could
+    # sit in a CUDA-graph pool: torch.compile's reduce-overhead mode allocates from it while
+    # warming up too; a cache of that kind failed test_cuda_graphs_reduce_overhead, session 9).
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        return _rect_packed_on_host(B, T, chunk_size, True).to(device, non_blocking=True)
+    if device.type == "cpu":
+        return _rect_packed_on_host(B, T, chunk_size, False).clone()
+    return _rect_packed_closed_form(B, T, chunk_size, device)
 
 
 def packed_sizes(cu_seqlens: torch.Tensor, B, T, chunk_size: int) -> tuple:
@@ -89,10 +103,27 @@ def packed_sizes(cu_seqlens: torch.Tensor, B, T, chunk_size: int) -> tuple:
 
 def packed_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
                   device: torch.device) -> torch.Tensor:
-    """:func:`kernel_tables` as one int32 tensor ``[cu_seqlens | chunk_offsets | chunk_start |
-    chunk_len]`` (:func:`packed_sizes`), the ``tables`` argument of the stage ops."""
-    t = kernel_tables(cu_seqlens, B, T, chunk_size, device)
-    return torch.cat([t.cu_seqlens, t.chunk_offsets, t.chunk_start, t.chunk_len])
+    """A call's chunk tables as one int32 tensor ``[cu_seqlens | chunk_offsets | chunk_start |
+    chunk_len]`` (:func:`packed_sizes`) on ``device``: rect (``cu_seqlens.numel() == 0``:
+    ``B`` sequences of ``T``) or varlen.  The ``tables`` argument of the stage ops."""
+    if cu_seqlens.numel() == 0:
+        return _rect_packed(B, T, chunk_size, torch.device(device))
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences are packed along T), got B={B}")
+    start, length, offsets = varlen_chunk_tables(cu_seqlens, T, chunk_size)
+    return torch.cat([cu_seqlens.to(torch.int32), offsets, start, length])
+
+
+def _unpack(tables: torch.Tensor, sizes: tuple) -> KernelTables:
+    cu, offsets, start, length = tables.split(sizes)
+    return KernelTables(cu, start, length, offsets)
+
+
+def kernel_tables(cu_seqlens: torch.Tensor, B: int, T: int, chunk_size: int,
+                  device: torch.device) -> KernelTables:
+    """The tables of a rect or varlen call (:func:`packed_tables`), as views of one tensor."""
+    return _unpack(packed_tables(cu_seqlens, B, T, chunk_size, device),
+                   packed_sizes(cu_seqlens, B, T, chunk_size))
 
 
 @torch.library.custom_op("dplr::chunk_tables", mutates_args=())
@@ -121,8 +152,7 @@ def tables_for(tables: torch.Tensor | None, cu_seqlens: torch.Tensor, B: int, T:
         raise ValueError(f"tables: expected int32 [{sum(sizes)}] for {sizes[0] - 1} sequence(s) "
                          f"of chunk size {chunk_size}, got {tables.dtype} {list(tables.shape)} "
                          "(build it with dplr::chunk_tables)")
-    cu, offsets, start, length = tables.split(sizes)
-    return KernelTables(cu, start, length, offsets)
+    return _unpack(tables, sizes)
 
 
 def as_one_sequence_list(x: torch.Tensor) -> torch.Tensor:
