@@ -8,6 +8,11 @@
 #   1. first_call alone (cold then warm cache; nothing else runs on the host meanwhile)
 #   1b. ALONE="cmd": cmd right after, still alone on the host (e.g. an A/B timing that CPU load
 #      from the prewarm's compile workers would disturb), logged as alone.log
+#   1c. with TESTS: every TileLang kernel variant compiled (python -m torch_dplr precompile),
+#      still alone: seconds with a carried kernel cache that holds all of them (see
+#      pack_gpu_bundle.sh), a few minutes without.  In session 10 the tests compiled the
+#      variants the carried cache lacked beside the prewarm's FLA compile jobs and reached 42%
+#      of their files in 900 s
 #   2. in the background: the prewarm (benchmarks.prewarm: FLA's kernels and autotuning
 #      candidates, spread over every GPU) and, with TESTS="files", pytest on the last GPU;
 #      CHECKS="cmd" runs cmd there after the tests (e.g. compute-sanitizer), logged as tests.log;
@@ -57,6 +62,14 @@ if [ -n "${ALONE:-}" ] && [ ! -f "$W/alone.done" ]; then
   timeout "$((left > 10 ? left : 10))" bash -c "$ALONE" > "$W/alone.log" 2>&1
   echo $? > "$W/alone.done"
   echo "alone rc=$(cat "$W/alone.done") $(( $(date +%s) - s )) s"; tail -20 "$W/alone.log"
+fi
+if [ -n "${TESTS:-}" ] && [ ! -f "$W/precompile.done" ]; then
+  # every kernel variant the tests may run, before the prewarm's FLA compile jobs load the host
+  # (seconds when the carried kernel cache holds them all)
+  s=$(date +%s)
+  timeout 400 python3 -m torch_dplr precompile > "$W/precompile.log" 2>&1
+  echo $? > "$W/precompile.done"
+  echo "precompile rc=$(cat "$W/precompile.done") $(( $(date +%s) - s )) s: $(tail -1 "$W/precompile.log")"
 fi
 if [ ! -f "$W/prewarm.started" ]; then
   if [ -n "${SIDE:-}" ]; then

@@ -5,10 +5,14 @@
 # for every variant: `python -m torch_dplr precompile`); a kernel cache brought back from an
 # earlier run ($OUT/tlcache.tar.xz, see gpu_run.sh) is carried too when KERNEL_CACHE names it,
 # and FLA's tuning and TileLang kernels from one ($OUT/fla_cache.tar.xz) when FLA_CACHE does.
-# A kernel cache holding only what the benchmark envelope runs, built on this CPU machine:
+# A kernel cache built on this CPU machine (nvcc, no GPU): every variant, which the GPU tests
+# need (172 kernels; the envelope's 57 took 344 s on 2 cores, session 10):
+#   TILELANG_CACHE_DIR=/tmp/tlc_all python -m torch_dplr precompile
+# or only what the benchmark envelope runs:
 #   TILELANG_CACHE_DIR=/tmp/tlc_env python -m benchmarks.prewarm --no-fla
-#   tar -C /tmp/tlc_env --exclude='./*/cuda-binaries' -cf - . | xz -6 > /tmp/tlc_env.tar.xz
-#   (then KERNEL_CACHE=/tmp/tlc_env.tar.xz; TileLang's cuda-binaries only serve compiles)
+# then, without TileLang's cuda-binaries (they only serve compiles):
+#   tar -C /tmp/tlc_all --exclude='./*/cuda-binaries' -cf - . | xz -6 > /tmp/tlc_all.tar.xz
+#   (KERNEL_CACHE=/tmp/tlc_all.tar.xz; the envelope's 57 kernels pack into 2.0 MB)
 # Then: device run, carry [".gpu"], `GPU_TESTS="tests/test_cuda.py" bash tools/gpu_run.sh`, or the
 # whole benchmark envelope over several calls of a warm machine: `bash tools/envelope_run.sh`.
 set -euo pipefail
