@@ -19,14 +19,9 @@ import sys
 import time
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-import torch_dplr
-from benchmarks.cells import Shape
-from benchmarks.inputs import make
-from torch_dplr import policies
+from host_probe import training_steps  # tools/ is this script's folder: first on sys.path
 from torch_dplr.ops import varlen
-from torch_dplr.testing import RWKV7_BOUND
 
 BLOCKS, STEPS = 8, 30
 
@@ -42,29 +37,9 @@ def _wall_us(step) -> float:
 
 def main():
     B, T, H, D, C = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (2, 4096, 8, 64, 64)))
-    inp = make(Shape(B, T, H, D, None), "rwkv7", "cuda")
-    leaves = [x.detach().requires_grad_()
-              for x in (inp.q, inp.k, inp.v, inp.a, inp.b, inp.gk, inp.h0)]
-    kw = dict(chunk_size=C, lower_bound=RWKV7_BOUND, output_final_state=True, scale=1.0)
-
-    def region(q, k, v, a, b, gk, h0):
-        return torch_dplr.chunk_dplr_delta_rule(q, k, v, a, b, gk, initial_state=h0, **kw)
-
-    def fwd():
-        with torch.no_grad():
-            region(*leaves)
-
-    def fwd_bwd(context_fn=None):
-        if context_fn is None:
-            o, ht = region(*leaves)
-        else:
-            o, ht = checkpoint(region, *leaves, use_reentrant=False, context_fn=context_fn)
-        torch.autograd.grad([o, ht], leaves, [inp.do, inp.dht])
-
-    save_state = policies.context_fn("save_state")
-    steps = {"fwd": fwd, "fwd_bwd": fwd_bwd, "fwd_bwd_save_state": lambda: fwd_bwd(save_state)}
+    steps = training_steps(B, T, H, D, C)
     variants = {"async_copy": varlen._rect_packed,
-                "closed_form": lambda B, T, C, device: varlen._rect_packed_closed_form(B, T, C, device)}
+                "closed_form": varlen._rect_packed_closed_form}
     for step in steps.values():  # kernels loaded, host copy built, allocator warm
         for _ in range(5):
             step()

@@ -91,8 +91,9 @@ def _recording_launches(launches: dict):
     return originals
 
 
-def main():
-    B, T, H, D, C = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (2, 4096, 8, 64, 64)))
+def training_steps(B: int, T: int, H: int, D: int, C: int) -> dict:
+    """Eager steps of the public function at one shape on CUDA (RWKV-7 gates, initial and final
+    state): ``fwd`` (no grad), ``fwd_bwd``, and ``fwd_bwd_save_state`` (under that policy)."""
     inp = make(Shape(B, T, H, D, None), "rwkv7", "cuda")
     kw = dict(chunk_size=C, lower_bound=RWKV7_BOUND, output_final_state=True, scale=1.0)
     leaves = [x.detach().requires_grad_()
@@ -113,14 +114,19 @@ def main():
         torch.autograd.grad([o, ht], leaves, [inp.do, inp.dht])
 
     save_state = policies.context_fn("save_state")
-    steps = {"fwd": fwd, "fwd_bwd": fwd_bwd, "fwd_bwd_save_state": lambda: fwd_bwd(save_state)}
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd, "fwd_bwd_save_state": lambda: fwd_bwd(save_state)}
+
+
+def main():
+    B, T, H, D, C = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (2, 4096, 8, 64, 64)))
+    steps = training_steps(B, T, H, D, C)
     print(json.dumps({name: dict(host_us=host_us(f, n=30), wall_us=wall_us(f))
                       for name, f in steps.items()}), flush=True)
 
     launches: dict = {}
     originals = _recording_launches(launches)
     with _RecordDplrCalls() as recorder:
-        fwd_bwd()
+        steps["fwd_bwd"]()
     _sync()
     for mod, original in originals.items():
         mod.kernel_for = original
