@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from torch_dplr.ops.varlen import (as_one_sequence_list, kernel_tables, packed_tables, tables_for,
-                                   varlen_chunk_tables)
+from torch_dplr.ops.varlen import (as_one_sequence_list, kernel_tables, packed_sizes, packed_tables,
+                                   tables_for, varlen_chunk_tables)
 
 
 @pytest.mark.parametrize("B,T,C", [(3, 100, 64), (1, 5, 16), (2, 128, 32), (4, 1, 64), (2, 64, 64)])
@@ -63,9 +63,16 @@ def test_packed_tables_of_another_layout_are_refused():
 
 def test_each_call_gets_tables_of_its_own():
     """Rect tables come from a host copy kept per shape: a call's tensor is a copy of it, so a
-    caller writing into one call's tables does not change the next call's."""
+    caller writing into one call's tables does not change the next call's; another shape gets
+    its own."""
     empty = torch.empty(0, dtype=torch.int64)
-    first = packed_tables(empty, 2, 100, 32, "cpu")
+    first = packed_tables(empty, 3, 100, 32, "cpu")
+    seq = torch.arange(4, dtype=torch.int32)
+    start, length, _ = varlen_chunk_tables(seq.long() * 100, 300, 32, 3 * 4)
+    assert torch.equal(first, torch.cat([seq * 100, seq * 4, start, length]))
     want = first.clone()
     first.fill_(-1)
-    assert torch.equal(packed_tables(empty, 2, 100, 32, "cpu"), want)
+    again = packed_tables(empty, 3, 100, 32, "cpu")
+    assert torch.equal(again, want) and again.data_ptr() != first.data_ptr()
+    other = packed_tables(empty, 2, 100, 32, "cpu")
+    assert other.numel() == sum(packed_sizes(empty, 2, 100, 32))

@@ -16,12 +16,9 @@ pytest.importorskip("tilelang")
 
 import torch_dplr  # noqa: E402
 from csrc_tl.launch_check import check_launch, launch_checker  # noqa: E402
-from torch._library.custom_ops import OPDEFS  # noqa: E402
-from torch_dplr.ops import fused, intra, kernels, state, tilelang_path, wy  # noqa: E402
-from torch_dplr.testing import RWKV7_BOUND, make_inputs  # noqa: E402
+from torch_dplr.ops import kernels  # noqa: E402
+from torch_dplr.testing import RWKV7_BOUND, cuda_op_bodies_on_cpu, make_inputs  # noqa: E402
 
-CUDA_BODIES = ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "chunk_intra_bwd",
-               "chunk_wy_bwd", "chunk_state_bwd", "chunk_fwd_fused")
 _checkers: dict = {}  # traced once per kernel configuration for the whole module
 
 
@@ -42,20 +39,12 @@ def _checking_kernel_for(launched: list):
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def launches():
     """The CUDA bodies as CPU kernels with checking stand-ins for the kernels; yields the list
     of launched kernel names and a setter for the SM count the bodies see."""
     launched: list = []
     sms = {"count": 132}
-    monkeypatch.setattr(tilelang_path, "tilelang_usable", lambda device: True)
-    for mod in (intra, wy, state, fused):
-        monkeypatch.setattr(mod, "kernel_for", _checking_kernel_for(launched))
-    for mod in (state, fused):
-        monkeypatch.setattr(mod, "device_index", lambda device: 0)
-        monkeypatch.setattr(mod, "sm_count", lambda index: sms["count"])
-    with torch.library._scoped_library("dplr", "IMPL") as lib:
-        for name in CUDA_BODIES:
-            lib.impl(name, OPDEFS[f"dplr::{name}"]._backend_fns["cuda"], "CPU")
+    with cuda_op_bodies_on_cpu(_checking_kernel_for(launched), lambda: sms["count"]):
         yield launched, lambda count: sms.update(count=count)
 
 

@@ -1,7 +1,7 @@
 """The host side of a CUDA call, on a CPU machine: what the Python around the kernels costs.
 
-Every ``dplr`` op's CUDA function is registered as its CPU kernel and every TileLang launch is
-a no-op (``kernel_for`` hands out a function that does nothing), so a step runs the op bodies,
+Every ``dplr`` op's CUDA function runs as its CPU kernel and every TileLang launch is a no-op
+(``torch_dplr.testing.cuda_op_bodies_on_cpu``), so a step runs the op bodies,
 the dispatcher, autograd and the checkpoint machinery exactly as on the GPU's host, minus the
 launches.  Prints one JSON line: host microseconds per step for forward+backward and
 forward+backward under the ``save_state`` policy (``"bodies"``), and the same with each stage
@@ -30,26 +30,14 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_dplr
 from torch_dplr import policies
-from torch_dplr.ops import fused, intra, state, wy
-from torch_dplr.testing import RWKV7_BOUND
+from torch_dplr.testing import CUDA_BODY_OPS, RWKV7_BOUND, cuda_op_bodies_on_cpu
 
-STAGE_OPS = ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd",
-             "chunk_intra_bwd", "chunk_wy_bwd", "chunk_state_bwd")
+# the stage ops (the no-grad op is not timed: its body calls the stage functions directly)
+STAGE_OPS = tuple(op for op in CUDA_BODY_OPS if op != "chunk_fwd_fused")
 
 
 def _no_launch(*args):
     return None
-
-
-def _as_if_on_an_h200():
-    """Op bodies take their kernel path with launches that do nothing."""
-    for mod in (intra, wy, state, fused):
-        mod.kernel_for = lambda *args, **kwargs: _no_launch
-        mod.kernels_apply = lambda *args, **kwargs: True
-    for mod in (state, fused):
-        mod.sm_count = lambda index: 132
-        mod.device_index = lambda device: 0
-    fused.pipeline = lambda *args: {}  # no fused kernel: the staged no-grad path
 
 
 def _register_cpu(lib, bodies: dict) -> None:
@@ -95,10 +83,7 @@ def _time_both(lib, real: dict, empty: dict, steps: dict, blocks=8) -> dict:
 
 def main():
     B, T, H, D, C = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (2, 64, 8, 64, 64)))
-    _as_if_on_an_h200()
     cuda_bodies = {name: OPDEFS[f"dplr::{name}"]._backend_fns["cuda"] for name in STAGE_OPS}
-    lib = torch.library.Library("dplr", "IMPL")
-
     gen = torch.Generator().manual_seed(0)
     q, k, v, a, b = (torch.randn(B, T, H, D, generator=gen).bfloat16().requires_grad_()
                      for _ in range(5))
@@ -118,9 +103,11 @@ def main():
 
     save_state = policies.context_fn("save_state")
     steps = {"fwd_bwd": fwd_bwd, "fwd_bwd_save_state": lambda: fwd_bwd(save_state)}
-    real = {**cuda_bodies, "chunk_fwd_fused": OPDEFS["dplr::chunk_fwd_fused"]._backend_fns["cuda"]}
     empty = {name: _allocating_only(name, body) for name, body in cuda_bodies.items()}
-    result = {"shape": [B, T, H, D], "chunk": C, **_time_both(lib, real, empty, steps)}
+    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
+        lib = torch.library.Library("dplr", "IMPL")  # swaps the bodies of the two variants
+        result = {"shape": [B, T, H, D], "chunk": C,
+                  **_time_both(lib, cuda_bodies, empty, steps)}
     print(json.dumps(result))
 
 

@@ -167,3 +167,40 @@ def forbid_pytorch_stages():
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+# the ops whose CUDA function launches TileLang kernels (the stage ops and the no-grad op)
+CUDA_BODY_OPS = ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "chunk_intra_bwd",
+                 "chunk_wy_bwd", "chunk_state_bwd", "chunk_fwd_fused")
+
+
+@contextlib.contextmanager
+def cuda_op_bodies_on_cpu(kernel_for, sm_count=lambda: 132):
+    """Inside, CPU calls of the ``dplr`` ops run their CUDA functions, as on an sm_90 GPU: each
+    kernel comes from ``kernel_for(op, chunk_size, K, V, dtype, gate_dtype, lower_bound)``
+    (standing in for ``ops.kernels.kernel_for``: e.g. a launch that checks its arguments, or one
+    that does nothing) and the GPU has ``sm_count()`` SMs.  The launch path's host code, on a
+    machine without a GPU (tests/test_launch_args.py, tools/host_sim.py).  Which configurations
+    take the kernels is decided as on the GPU."""
+    import importlib
+
+    from torch._library.custom_ops import OPDEFS
+
+    mods = {name: importlib.import_module(f"torch_dplr.ops.{name}")
+            for name in ("intra", "wy", "state", "fused", "tilelang_path")}
+    patches = [(mods["tilelang_path"], "tilelang_usable", lambda device: True)]
+    patches += [(mods[m], "kernel_for", kernel_for) for m in ("intra", "wy", "state", "fused")]
+    for m in ("state", "fused"):
+        patches += [(mods[m], "device_index", lambda device: 0),
+                    (mods[m], "sm_count", lambda index: sm_count())]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, value in patches:
+            setattr(module, name, value)
+        with torch.library._scoped_library("dplr", "IMPL") as lib:
+            for op in CUDA_BODY_OPS:
+                lib.impl(op, OPDEFS[f"dplr::{op}"]._backend_fns["cuda"], "CPU")
+            yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
