@@ -248,6 +248,21 @@ def test_harness_stage_cell_and_resume(tmp_path):
     assert "## Where the time goes" in (tmp_path / "s.md").read_text()
 
 
+def test_harness_skips_cells_done_in_other_files(tmp_path):
+    cell = r"^B2-T128-H2-D64/c16/unbounded/nostate/fwd/none$"
+    argv = ["--device", "cpu", "--no-fla", "--out", str(tmp_path), "--reps", "1", "--warmup", "0",
+            "--modes", "fwd,fwd_bwd"]
+    assert harness.main(argv + ["--name", "earlier", "--cells", cell]) == 0
+    earlier = tmp_path / "earlier.json"
+    assert harness.main(argv + ["--name", "later", "--cells", r"^B2-T128-H2-D64/c16/unbounded/nostate/",
+                                "--skip-done-in", str(earlier)]) == 0
+    done = [json.loads(x)["cell"] for x in earlier.read_text().splitlines()]
+    later = [json.loads(x)["cell"] for x in (tmp_path / "later.json").read_text().splitlines()]
+    assert len(done) == 1 and later and done[0] not in later  # the other file's cell is not redone
+    with pytest.raises(SystemExit):  # a file that is not there is an error, not an empty skip set
+        harness.parse_args(argv + ["--skip-done-in", str(tmp_path / "absent.json")])
+
+
 def test_prewarm_jobs_keep_each_layout_short():
     from benchmarks import prewarm
 

@@ -26,14 +26,35 @@
 #   4. when every shard is done: the shards' JSON lines concatenated into h200.json, and the
 #      report (h200.md, h200.png) in $OUT
 # Each call waits until the envelope is done or CALL_S seconds (default 540) have passed, then
-# leaves the state folder (logs, partial JSON and, once the shards run, FLA's autotune choices
-# as fla_cache.tar.xz: carry it next time with FLA_CACHE=... tools/pack_gpu_bundle.sh) in
-# $OUT/envelope.tgz.
+# leaves the state folder (logs, partial JSON and, once the prewarm started, FLA's autotune
+# choices and TileLang kernels as fla_cache.tar.xz: carry it next time with FLA_CACHE=...
+# tools/pack_gpu_bundle.sh) in $OUT/envelope.tgz.  When the machine went back between calls,
+# `ENVELOPE_STATE=envelope.tgz tools/pack_gpu_bundle.sh` carries that state to a fresh one,
+# which continues the run (see the restore below).  NO_FIRST_CALL=1 leaves step 1 out.
 set -u
 t0=$(date +%s)
 source tools/gpu_setup.sh
 W=/tmp/envelope
 BENCH=$W/bench
+if [ ! -d "$W" ] && [ -f .gpu/envelope_state.tgz ]; then
+  # a run continued on a fresh machine (the last one went back): its finished records, its
+  # first call and passed tests are kept; what was running there (prewarm, shards) starts
+  # again here, the new shards skipping the cells the earlier ones timed
+  mkdir -p "$W" && tar xzf .gpu/envelope_state.tgz -C "$W"
+  n=$(find "$W" -maxdepth 1 -name 'earlier*.log' | wc -l)
+  for job in prewarm side precompile shard0 shard1 shard2 shard3 shard4 shard5 shard6 shard7; do
+    [ -f "$W/$job.log" ] && mv "$W/$job.log" "$W/earlier$n-$job.log"
+    rm -f "$W/$job.started" "$W/$job.done" "$W/$job.pid"
+  done
+  [ "$(cat "$W/tests.done" 2>/dev/null)" = 0 ] || rm -f "$W"/tests.*
+  for f in "$BENCH"/shard*.json; do [ -f "$f" ] && mv "$f" "$BENCH/earlier$n-$(basename "$f")"; done
+  if [ -f "$W/fla_cache.tar.xz" ]; then  # FLA's tuning (and TileLang kernels) made there
+    rm -rf /tmp/flarestore && mkdir -p /tmp/flarestore
+    xz -dc "$W/fla_cache.tar.xz" | tar -C /tmp/flarestore -xf -
+    cp -rn /tmp/flarestore/triton/. ~/.triton/cache/ && cp -rn /tmp/flarestore/tlc/. /tmp/tlc/
+  fi
+  echo "restored: $(cat "$BENCH"/earlier*.json 2>/dev/null | wc -l) records, first call $([ -f "$W/first_call.done" ] && echo kept || echo not yet)"
+fi
 mkdir -p "$BENCH"
 NGPU=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 CALL_S=${CALL_S:-540}
@@ -48,7 +69,9 @@ background() {  # background NAME CMD...: run detached from this call; NAME.done
   echo "started $name: $*"
 }
 
-if [ ! -f "$W/first_call.done" ]; then
+if [ -n "${NO_FIRST_CALL:-}" ]; then
+  echo "first_call left out (NO_FIRST_CALL)"
+elif [ ! -f "$W/first_call.done" ]; then
   s=$(date +%s)
   timeout 400 python3 -m torch_dplr bench --modes first_call --no-fla --out "$BENCH" \
     --name first-call > "$W/first_call.log" 2>&1
@@ -110,15 +133,19 @@ while true; do
       echo "tests failed: no cell timed (TIME_DESPITE_TESTS=1 times them anyway)"
       break
     fi
+    earlier=$(find "$BENCH" -maxdepth 1 -name 'earlier*.json' | sort | tr '\n' ' ')
     for i in $(seq 0 $((NGPU - 1))); do
       shard=""; [ "$NGPU" -gt 1 ] && shard="--shard $i/$NGPU"
       # the comparison cells first, the per-stage breakdown after them (same file, --resume)
       bench="timeout 3000 python3 -m torch_dplr bench --no-prewarm --resume $shard --name shard$i --out $BENCH"
+      [ -n "$earlier" ] && bench="$bench --skip-done-in $earlier"
       CUDA_VISIBLE_DEVICES=$i background "shard$i" bash -c "$bench --modes fwd,fwd_bwd && $bench --modes stage"
     done
   fi
   if shards_done; then
-    parts=("$BENCH"/shard*.json); [ -f "$BENCH/first-call.json" ] && parts+=("$BENCH/first-call.json")
+    # earlier machines' records first: where a cell is in both, the later record counts
+    parts=(); for f in "$BENCH"/earlier*.json "$BENCH"/shard*.json "$BENCH/first-call.json"; do
+      [ -f "$f" ] && parts+=("$f"); done
     if python3 -m benchmarks.report "$BENCH/h200.json" --merge "${parts[@]}" > "$W/report.log" 2>&1; then
       cp "$BENCH"/h200.json "$BENCH"/h200.md "$OUT"/ && cp "$BENCH"/h200.png "$OUT"/ 2>/dev/null
       echo "envelope done: $(wc -l < "$BENCH/h200.json") records"
@@ -135,12 +162,14 @@ while true; do
   fi
   sleep 5
 done
-if [ -f "$W/shard0.started" ]; then
-  # FLA's autotune choices so far, made on the cells' real inputs (carried next time, FLA tunes
-  # nothing and the prewarm compiles only the chosen configs), at every call's end so that a
-  # device budget that ends before the shards do keeps them; niced: shards may still be timing
+if [ -f "$W/prewarm.started" ]; then
+  # FLA's autotune choices so far, made on the cells' real inputs, and the TileLang kernels its
+  # prewarm compiled (carried next time, FLA tunes nothing and the prewarm compiles only the
+  # chosen configs), at every call's end: a machine that goes back before the next call, or a
+  # device budget that ends before the shards do, keeps them; niced: shards may be timing
   renice -n 19 $$ > /dev/null 2>&1
-  save_fla_cache "$W/fla_cache.tar.xz"
+  save_fla_cache "$W/fla_cache.tar.xz" tilelang
+  echo "fla_cache.tar.xz: $(du -k "$W/fla_cache.tar.xz" | cut -f1) KB"
 fi
 tar czf "$OUT/envelope.tgz" -C "$W" .  # logs and partial JSON (small: no load on the shards)
 echo "total $(( $(date +%s) - t0 )) s"

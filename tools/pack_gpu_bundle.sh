@@ -28,6 +28,9 @@ if [ -n "${KERNEL_CACHE:-}" ]; then cp "$KERNEL_CACHE" .gpu/tlcache.tar.xz; fi
 # session 9)
 FLA_CACHE=${FLA_CACHE-benchmarks/results/h200-fla-autotune.tar.xz}
 if [ -f "$FLA_CACHE" ]; then cp "$FLA_CACHE" .gpu/fla_cache.tar.xz; fi  # gpu_run.sh SAVE_FLA_CACHE
+# the state of an envelope run whose machine went back (its $OUT/envelope.tgz): envelope_run.sh
+# continues it on the fresh machine
+if [ -n "${ENVELOPE_STATE:-}" ]; then cp "$ENVELOPE_STATE" .gpu/envelope_state.tgz; fi
 # the commit that travels (the device copy's own .git HEAD can lag the working tree); -dirty
 # when the working tree differs from it
 git describe --always --dirty --abbrev=7 > .gpu/commit
