@@ -25,7 +25,8 @@ other workers sharing the GPU, and cache that choice.  So each worker gets a pri
 cache seeded with the real cache's entries (hard links); afterwards its new compiled kernels
 are merged into the real cache and the autotune results it made are dropped.  The harness then
 still tunes on the real input (benchmarking already compiled candidates, reported as FLA's
-first call).
+first call).  Since those results are dropped, a worker's autotuner only launches each
+candidate once (:func:`compile_only_autotuning`) instead of timing it on the shared GPU.
 
 Measured on a fresh H200 (session 5, one job per shape then): the envelope's FLA jobs took
 about 15 minutes even in parallel (TileLang JIT ~200 s per config; D128 at chunk 16 autotunes
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import inspect
 import json
 import os
 import shutil
@@ -232,12 +235,36 @@ def _run_pool(jobs, workers, say, launch, shared: Path, tmp: Path, running: dict
             shutil.rmtree(private, ignore_errors=True)
 
 
+def compile_only_autotuning(autotuner_cls=None) -> bool:
+    """Makes Triton's autotuner (in this process) launch each candidate once, compiling it,
+    instead of timing it.  A worker's tuning results are dropped (see :func:`merge_compiled`):
+    the harness tunes on the real input, on a GPU it has to itself.  So timing hundreds of
+    candidates per key here, twelve workers to a GPU, is GPU time spent for nothing.  Returns
+    whether the autotuner was patched (Triton 3.2 and later make ``do_bench`` a cached
+    property; an older Triton keeps timing)."""
+    if autotuner_cls is None:
+        try:
+            from triton.runtime.autotuner import Autotuner as autotuner_cls
+        except ImportError:
+            return False
+    if not isinstance(inspect.getattr_static(autotuner_cls, "do_bench", None), functools.cached_property):
+        return False
+
+    def launch_once(kernel_call, quantiles=None, **_):
+        kernel_call()
+        return [1.0] * len(quantiles) if quantiles else 1.0
+
+    autotuner_cls.do_bench = property(lambda self: launch_once)
+    return True
+
+
 def warm_fla_job(job: dict) -> str:
     """In a worker process: FLA's calls of one job on both routes, each mode once."""
     from . import calls, inputs
     from .fla_routes import FLA, ROUTES
     from .harness import fla_kwargs
 
+    compile_only = compile_only_autotuning()
     fla = FLA()
     shape = cells_mod.Shape(job["B"], job["T"], job["H"], job["D"], job["N"])
     inp = inputs.make(shape, job["gates"], "cuda")
@@ -259,7 +286,7 @@ def warm_fla_job(job: dict) -> str:
                 except Exception as exc:  # noqa: BLE001  (the harness records the failure)
                     done.append(f"{route}:{mode}:{policy} failed ({type(exc).__name__})")
     torch.cuda.synchronize()
-    return ", ".join(done)
+    return ("compile-only tuning: " if compile_only else "") + ", ".join(done)
 
 
 def prewarm(selected, fla: bool, workers: int | None = None, say=print) -> float:
@@ -284,18 +311,33 @@ def prewarm(selected, fla: bool, workers: int | None = None, say=print) -> float
     return time.perf_counter() - start
 
 
+def cells_left(selected, done_files) -> list:
+    """The cells that no harness file in ``done_files`` holds without error (a run continued
+    on a fresh machine prewarms only what is left to time)."""
+    from .harness import done_cells
+
+    done = set().union(*map(done_cells, done_files))
+    return [c for c in selected if c.id not in done]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.prewarm", description=__doc__.split("\n")[0])
     parser.add_argument("--cells", help="regular expression on cell ids (as bench --cells)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--workers", type=int)
+    parser.add_argument("--skip-done-in", type=Path, nargs="+", default=[], metavar="JSON",
+                        help="leave out the cells these harness files hold without error")
     parser.add_argument("--fla-job", help=argparse.SUPPRESS)  # a worker: one JSON job
     args = parser.parse_args(argv)
+    for path in args.skip_done_in:
+        if not path.is_file():
+            parser.error(f"--skip-done-in: no such file {str(path)!r}")
     if args.fla_job:
         print(warm_fla_job(json.loads(args.fla_job)), flush=True)
         return 0
     selected = cells_mod.select(cells_mod.envelope(quick=args.quick), args.cells, cells_mod.MODES)
+    selected = cells_left(selected, args.skip_done_in)
     seconds = prewarm(selected, fla=not args.no_fla, workers=args.workers,
                       say=lambda line: print(line, flush=True))
     print(f"prewarm done in {seconds:.0f} s", flush=True)

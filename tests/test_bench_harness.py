@@ -291,6 +291,43 @@ def test_prewarm_jobs_keep_each_layout_short():
     assert len(prewarm.dplr_items(envelope)) <= 6 * 10
 
 
+def test_prewarm_tunes_nothing_it_would_drop():
+    import functools
+
+    from benchmarks import prewarm
+
+    class StandInAutotuner:  # Triton 3.2+: do_bench is a cached property (timing on the GPU)
+        @functools.cached_property
+        def do_bench(self):
+            raise AssertionError("the timing benchmarker must not be used")
+
+    class OldAutotuner:  # older Triton: a plain attribute set per instance, left alone
+        def __init__(self):
+            self.do_bench = "timer"
+
+    assert prewarm.compile_only_autotuning(StandInAutotuner)
+    launches = []
+    timings = StandInAutotuner().do_bench(lambda: launches.append(1), quantiles=(0.5, 0.2, 0.8))
+    assert launches == [1] and timings == [1.0, 1.0, 1.0]  # launched (compiled) once, not timed
+    assert StandInAutotuner().do_bench(lambda: launches.append(2)) == 1.0 and launches == [1, 2]
+    assert not prewarm.compile_only_autotuning(OldAutotuner) and OldAutotuner().do_bench == "timer"
+
+
+def test_prewarm_leaves_out_cells_done_elsewhere(tmp_path):
+    from benchmarks import prewarm
+
+    envelope = cells.envelope()
+    done, failed = envelope[0], envelope[1]
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"cell": done.id}) + "\n"
+                    + json.dumps({"cell": failed.id, "torch_dplr_error": "x"}) + "\n")
+    left = prewarm.cells_left(envelope, [path])
+    assert done not in left and failed in left and len(left) == len(envelope) - 1
+    assert prewarm.cells_left(envelope, []) == envelope
+    with pytest.raises(SystemExit):
+        prewarm.main(["--skip-done-in", str(tmp_path / "absent.json")])
+
+
 def test_prewarm_merges_compiled_kernels_not_autotune_results(tmp_path):
     import shutil
 

@@ -56,6 +56,9 @@ if [ ! -d "$W" ] && [ -f .gpu/envelope_state.tgz ]; then
   echo "restored: $(cat "$BENCH"/earlier*.json 2>/dev/null | wc -l) records, first call $([ -f "$W/first_call.done" ] && echo kept || echo not yet)"
 fi
 mkdir -p "$BENCH"
+# the cells an earlier machine timed: neither prewarmed nor timed again
+earlier=$(find "$BENCH" -maxdepth 1 -name 'earlier*.json' | sort | tr '\n' ' ')
+skip_done=""; [ -n "$earlier" ] && skip_done="--skip-done-in $earlier"
 NGPU=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 CALL_S=${CALL_S:-540}
 
@@ -97,13 +100,13 @@ fi
 if [ ! -f "$W/prewarm.started" ]; then
   if [ -n "${SIDE:-}" ]; then
     if [ "$NGPU" -gt 1 ]; then
-      CUDA_VISIBLE_DEVICES=$(seq -s, 1 $((NGPU - 1))) background prewarm timeout 1500 python3 -m benchmarks.prewarm
+      CUDA_VISIBLE_DEVICES=$(seq -s, 1 $((NGPU - 1))) background prewarm timeout 1500 python3 -m benchmarks.prewarm $skip_done
     else
-      background prewarm timeout 1500 python3 -m benchmarks.prewarm
+      background prewarm timeout 1500 python3 -m benchmarks.prewarm $skip_done
     fi
     CUDA_VISIBLE_DEVICES=0 background side timeout 900 bash -c "$SIDE"
   else
-    background prewarm timeout 1500 python3 -m benchmarks.prewarm
+    background prewarm timeout 1500 python3 -m benchmarks.prewarm $skip_done
   fi
   if [ -n "${TESTS:-}${CHECKS:-}" ]; then
     # both run whatever the other's outcome; the job fails if either does and says which
@@ -133,12 +136,10 @@ while true; do
       echo "tests failed: no cell timed (TIME_DESPITE_TESTS=1 times them anyway)"
       break
     fi
-    earlier=$(find "$BENCH" -maxdepth 1 -name 'earlier*.json' | sort | tr '\n' ' ')
     for i in $(seq 0 $((NGPU - 1))); do
       shard=""; [ "$NGPU" -gt 1 ] && shard="--shard $i/$NGPU"
       # the comparison cells first, the per-stage breakdown after them (same file, --resume)
-      bench="timeout 3000 python3 -m torch_dplr bench --no-prewarm --resume $shard --name shard$i --out $BENCH"
-      [ -n "$earlier" ] && bench="$bench --skip-done-in $earlier"
+      bench="timeout 3000 python3 -m torch_dplr bench --no-prewarm --resume $shard --name shard$i --out $BENCH $skip_done"
       CUDA_VISIBLE_DEVICES=$i background "shard$i" bash -c "$bench --modes fwd,fwd_bwd && $bench --modes stage"
     done
   fi
