@@ -30,7 +30,8 @@
 # choices and TileLang kernels as fla_cache.tar.xz: carry it next time with FLA_CACHE=...
 # tools/pack_gpu_bundle.sh) in $OUT/envelope.tgz.  When the machine went back between calls,
 # `ENVELOPE_STATE=envelope.tgz tools/pack_gpu_bundle.sh` carries that state to a fresh one,
-# which continues the run (see the restore below).  NO_FIRST_CALL=1 leaves step 1 out.
+# which continues the run (see the restore below).  NO_FIRST_CALL=1 leaves step 1 out;
+# CELLS="regex" prewarms and times only the cells it matches (bench --cells).
 set -u
 t0=$(date +%s)
 source tools/gpu_setup.sh
@@ -58,7 +59,11 @@ fi
 mkdir -p "$BENCH"
 # the cells an earlier machine timed: neither prewarmed nor timed again
 earlier=$(find "$BENCH" -maxdepth 1 -name 'earlier*.json' | sort | tr '\n' ' ')
-skip_done=""; [ -n "$earlier" ] && skip_done="--skip-done-in $earlier"
+# and CELLS="regex": only those cells (e.g. the layouts whose FLA tuning is not carried yet);
+# as an array for the prewarm, as quoted words for the shards' `bash -c` line
+select=(); [ -n "$earlier" ] && select=(--skip-done-in $earlier)
+[ -n "${CELLS:-}" ] && select+=(--cells "$CELLS")
+select_words=""; [ ${#select[@]} -gt 0 ] && select_words=$(printf ' %q' "${select[@]}")
 NGPU=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 CALL_S=${CALL_S:-540}
 
@@ -100,13 +105,13 @@ fi
 if [ ! -f "$W/prewarm.started" ]; then
   if [ -n "${SIDE:-}" ]; then
     if [ "$NGPU" -gt 1 ]; then
-      CUDA_VISIBLE_DEVICES=$(seq -s, 1 $((NGPU - 1))) background prewarm timeout 1500 python3 -m benchmarks.prewarm $skip_done
+      CUDA_VISIBLE_DEVICES=$(seq -s, 1 $((NGPU - 1))) background prewarm timeout 1500 python3 -m benchmarks.prewarm "${select[@]}"
     else
-      background prewarm timeout 1500 python3 -m benchmarks.prewarm $skip_done
+      background prewarm timeout 1500 python3 -m benchmarks.prewarm "${select[@]}"
     fi
     CUDA_VISIBLE_DEVICES=0 background side timeout 900 bash -c "$SIDE"
   else
-    background prewarm timeout 1500 python3 -m benchmarks.prewarm $skip_done
+    background prewarm timeout 1500 python3 -m benchmarks.prewarm "${select[@]}"
   fi
   if [ -n "${TESTS:-}${CHECKS:-}" ]; then
     # both run whatever the other's outcome; the job fails if either does and says which
@@ -139,7 +144,7 @@ while true; do
     for i in $(seq 0 $((NGPU - 1))); do
       shard=""; [ "$NGPU" -gt 1 ] && shard="--shard $i/$NGPU"
       # the comparison cells first, the per-stage breakdown after them (same file, --resume)
-      bench="timeout 3000 python3 -m torch_dplr bench --no-prewarm --resume $shard --name shard$i --out $BENCH $skip_done"
+      bench="timeout 3000 python3 -m torch_dplr bench --no-prewarm --resume $shard --name shard$i --out $BENCH$select_words"
       CUDA_VISIBLE_DEVICES=$i background "shard$i" bash -c "$bench --modes fwd,fwd_bwd && $bench --modes stage"
     done
   fi
