@@ -17,14 +17,23 @@ load from disk).  In order it times, each synchronized on the host clock:
   single sequence (a small grid), which must compile nothing (a few ms when it holds, seconds
   when something recompiles).
 
+With ``--profile N`` the first forward+backward runs under cProfile and ``profile`` holds the
+N functions with the most time of their own (C functions included: a kernel launch, the
+autograd engine) and the N with the most time under them: where a warm first call's time goes
+beyond ``kernels_s`` (the harness runs it as a third process, apart from the timed two, since
+the profiler slows Python).
+
     python -m benchmarks.first_call --device cuda --shape 8,4096,32,64 --chunk-size 64
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib
 import json
+import pstats
 import time
+from pathlib import Path
 
 T0 = time.perf_counter()
 
@@ -69,7 +78,22 @@ def new_layouts(shape: Shape) -> tuple[Shape, Shape, Shape]:
             Shape(1, shape.T // 8 + 3, shape.H, shape.D))
 
 
-def measure(shape: Shape, chunk_size: int, gates: str, device) -> dict:
+def _where(key) -> str:
+    path, line, name = key
+    return name if path == "~" else f"{Path(path).name}:{line}({name})"  # "~": a C function
+
+
+def profile_summary(profile: cProfile.Profile, top: int) -> dict:
+    """The ``top`` functions by own time and by cumulative time, as [where, seconds] pairs."""
+    entries = pstats.Stats(profile).stats.items()  # (path, line, name) -> (cc, nc, tt, ct, callers)
+
+    def ranked(col):
+        best = sorted(entries, key=lambda kv: kv[1][col], reverse=True)[:top]
+        return [[_where(key), round(stat[col], 3)] for key, stat in best]
+    return {"by_self": ranked(2), "by_cumulative": ranked(3)}
+
+
+def measure(shape: Shape, chunk_size: int, gates: str, device, profile_top: int = 0) -> dict:
     device = torch.device(device)
     fwd_bwd, fwd = _steps(shape, chunk_size, gates, device)
     from torch_dplr.ops import kernels
@@ -78,7 +102,13 @@ def measure(shape: Shape, chunk_size: int, gates: str, device) -> dict:
     start = time.perf_counter()
     importlib.import_module("torch._dynamo")  # see the module doc: PyTorch's cost, not ours
     result["dynamo_import_s"] = round(time.perf_counter() - start, 3)
+    profile = cProfile.Profile() if profile_top else None
+    if profile is not None:
+        profile.enable()
     result["fwd_bwd_s"] = round(_timed(fwd_bwd, device), 3)
+    if profile is not None:
+        profile.disable()
+        result["profile"] = profile_summary(profile, profile_top)
     result["kernels_s"] = round(kernels.seconds_getting_kernels(), 3)
     result["fwd_s"] = round(_timed(fwd, device), 3)
     new = 0.0
@@ -96,9 +126,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="8,4096,32,64", help="B,T,H,D")
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--gates", default="rwkv7")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the first forward+backward: its top N functions")
     args = parser.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
-    print(json.dumps(measure(Shape(B, T, H, D), args.chunk_size, args.gates, args.device)), flush=True)
+    print(json.dumps(measure(Shape(B, T, H, D), args.chunk_size, args.gates, args.device,
+                             args.profile)), flush=True)
     return 0
 
 

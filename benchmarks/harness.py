@@ -345,13 +345,16 @@ def first_call_cell_id(shape) -> str:
     return f"first_call/{shape.label}/c64/rwkv7/state"
 
 
-def _first_call_run(shape, device, cache_dir, timeout) -> dict:
+PROFILE_TOP = 15  # functions listed per ranking in the first_call record's warm_profile
+
+
+def _first_call_run(shape, device, cache_dir, timeout, extra=()) -> dict:
     # Python's bytecode cache is part of a warm disk cache: where site-packages cannot be
     # written (the lent GPU host's) the cold run leaves it in the same folder for the warm one
     env = dict(os.environ, TILELANG_CACHE_DIR=str(cache_dir),
                PYTHONPYCACHEPREFIX=str(Path(cache_dir) / "pycache"))
     cmd = [sys.executable, "-m", "benchmarks.first_call", "--device", device.type,
-           "--shape", f"{shape.B},{shape.T},{shape.H},{shape.D}", "--chunk-size", "64"]
+           "--shape", f"{shape.B},{shape.T},{shape.H},{shape.D}", "--chunk-size", "64", *extra]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -364,7 +367,9 @@ def _first_call_run(shape, device, cache_dir, timeout) -> dict:
 
 
 def measure_first_call(shape, device, timeout, meta) -> dict:
-    """Cold (empty TileLang cache) then warm (the cache the cold run filled), fresh processes."""
+    """Cold (empty TileLang cache) then warm (the cache the cold run filled), fresh processes;
+    then a third, warm and profiled (``warm_profile``: where its first forward+backward's time
+    goes, see benchmarks.first_call; its own time is slowed by the profiler)."""
     record = {"cell": first_call_cell_id(shape), "B": shape.B, "T": shape.T, "H": shape.H,
               "D": shape.D, "N": None, "chunk_size": 64, "gates": "rwkv7", "state": True,
               "mode": "first_call", "policy": "none", "cold_s": None, "warm_s": None, **meta}
@@ -379,6 +384,12 @@ def measure_first_call(shape, device, timeout, meta) -> dict:
                            f"{phase}_import_s": result["import_s"],
                            f"{phase}_dynamo_import_s": result.get("dynamo_import_s"),
                            f"{phase}_kernels_s": result.get("kernels_s")})
+        else:
+            result = _first_call_run(shape, device, cache_dir, timeout,
+                                     ("--profile", str(PROFILE_TOP)))
+            record["warm_profile"] = (
+                {"fwd_bwd_s": result["fwd_bwd_s"], "kernels_s": result.get("kernels_s"),
+                 **result["profile"]} if "profile" in result else {"error": result.get("error")})
     return record
 
 

@@ -287,11 +287,38 @@ def markdown(records) -> str:
                       f"that uses `torch.compile`). An eager process imports it inside the first call "
                       f"of any `torch.library.custom_op`, PyTorch's cost: {max(dynamo):.2f} s more here "
                       f"(warm run)."]
+        lines += first_call_profile(first)
     lines += stage_sections(records)
     failed = [r for r in records if _errors(r)]
     if failed:
         lines += ["", "## Errors", ""] + [f"- `{r.get('cell')}`: {_errors(r)}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+PROFILE_ROWS = 10
+
+
+def _code_cell(entry) -> str:
+    return f"`{entry[0]}`" if entry else ""
+
+
+def first_call_profile(first) -> list[str]:
+    """Where a warm first call's time goes: the profiled third run of each first_call record."""
+    lines = []
+    for r in first:
+        prof = r.get("warm_profile") or {}
+        if "by_self" not in prof:
+            continue
+        lines += ["", f"Where a warm first call's time goes ({_shape(r)}; a third process, warm, under "
+                  f"cProfile: {_num(prof.get('fwd_bwd_s'), '{:.2f}')} s, the profiler's overhead "
+                  f"included):", "", "| most time of its own | s | most time under it | s |",
+                  "|---|---|---|---|"]
+        own, under = prof["by_self"][:PROFILE_ROWS], prof["by_cumulative"][:PROFILE_ROWS]
+        for i in range(max(len(own), len(under))):
+            a = own[i] if i < len(own) else None
+            b = under[i] if i < len(under) else None
+            lines.append(f"| {_code_cell(a)} | {_num(a and a[1])} | {_code_cell(b)} | {_num(b and b[1])} |")
+    return lines
 
 
 def _bar_label(r) -> str:

@@ -58,7 +58,9 @@ def test_report_from_synthetic_jsonl(tmp_path):
     rng = random.Random(0)
     records = [_synthetic(c, rng) for c in cells.envelope()]
     records.append({"cell": "first_call/x", "mode": "first_call", "B": 8, "T": 4096, "H": 32,
-                    "D": 64, "N": None, "chunk_size": 64, "cold_s": 25.0, "warm_s": 3.0})
+                    "D": 64, "N": None, "chunk_size": 64, "cold_s": 25.0, "warm_s": 3.0,
+                    "warm_profile": {"fwd_bwd_s": 4.0, "by_self": [["<launch>", 1.5]],
+                                     "by_cumulative": [["step", 4.0], ["backward", 2.5]]}})
     records[0] = dict(records[0], torch_dplr_ms=None, ratio=None, torch_dplr_error="RuntimeError: x")
     path = tmp_path / "h200.json"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -69,6 +71,7 @@ def test_report_from_synthetic_jsonl(tmp_path):
     assert "## Targets" in md and "→Triton" in md and "## Errors" in md and "RuntimeError: x" in md
     assert "| first call, warm cache <= 2 s | 3.00 s | **no** |" in md
     assert "Where the time goes" not in md  # no stage records
+    assert "| `<launch>` | 1.500 | `step` | 4.000 |\n|  | – | `backward` | 2.500 |" in md
     (tmp_path / "h200-notes.md").write_text("## Why the misses\n\nmeasured reasons\n")
     report.write_report(path)
     assert (tmp_path / "h200.md").read_text().endswith("## Why the misses\n\nmeasured reasons\n")
@@ -102,15 +105,20 @@ def test_harness_on_tiny_cpu_cells(tmp_path):
 def test_first_call_record(monkeypatch):
     calls = []
 
-    def fake_run(shape, device, cache_dir, timeout):
-        calls.append(cache_dir)
-        return {"fwd_bwd_s": 20.0 - 18 * (len(calls) - 1), "fwd_s": 0.1, "new_layout_s": 0.01,
-                "import_s": 1.0}
+    def fake_run(shape, device, cache_dir, timeout, extra=()):
+        calls.append((cache_dir, extra))
+        result = {"fwd_bwd_s": 20.0 - 18 * (len(calls) > 1), "fwd_s": 0.1, "new_layout_s": 0.01,
+                  "import_s": 1.0}
+        if extra:
+            result["profile"] = {"by_self": [["launch", 0.5]], "by_cumulative": [["step", 2.4]]}
+        return result
 
     monkeypatch.setattr(harness, "_first_call_run", fake_run)
     record = harness.measure_first_call(cells.DESIGN, torch.device("cpu"), 10, {})
     assert record["mode"] == "first_call" and record["cold_s"] == 20.0 and record["warm_s"] == 2.0
-    assert calls[0] == calls[1]  # the warm run reads the cache the cold run filled
+    # the warm runs read the cache the cold run filled; only the third is profiled
+    assert calls[0][0] == calls[1][0] == calls[2][0] and [bool(c[1]) for c in calls] == [0, 0, 1]
+    assert record["warm_profile"]["by_self"] == [["launch", 0.5]]
 
 
 def test_first_call_measure_on_cpu():
@@ -119,6 +127,13 @@ def test_first_call_measure_on_cpu():
                            "new_layout_s"}
     assert result["kernels_s"] <= result["fwd_bwd_s"]  # a part of the first call
     assert all(v >= 0 for v in result.values())
+    profiled = first_call.measure(cells.Shape(1, 32, 1, 16), 16, "rwkv7", "cpu", profile_top=5)
+    ranks = profiled["profile"]
+    assert len(ranks["by_self"]) == len(ranks["by_cumulative"]) == 5
+    for ranking in ranks.values():
+        seconds = [t for _, t in ranking]
+        assert seconds == sorted(seconds, reverse=True) and seconds[0] <= profiled["fwd_bwd_s"] + 0.05
+    assert any("step" in where for where, _ in ranks["by_cumulative"])  # the profiled call itself
 
 
 class FakeFLA:
