@@ -31,7 +31,8 @@
 # tools/pack_gpu_bundle.sh) in $OUT/envelope.tgz.  When the machine went back between calls,
 # `ENVELOPE_STATE=envelope.tgz tools/pack_gpu_bundle.sh` carries that state to a fresh one,
 # which continues the run (see the restore below).  NO_FIRST_CALL=1 leaves step 1 out;
-# CELLS="regex" prewarms and times only the cells it matches (bench --cells).
+# CELLS="regex" prewarms and times only the cells it matches (bench --cells); FIRST_CELLS="regex"
+# times the comparison cells it matches first (then CELLS no longer narrows that first pass).
 set -u
 t0=$(date +%s)
 source tools/gpu_setup.sh
@@ -145,7 +146,11 @@ while true; do
       shard=""; [ "$NGPU" -gt 1 ] && shard="--shard $i/$NGPU"
       # the comparison cells first, the per-stage breakdown after them (same file, --resume)
       bench="timeout 3000 python3 -m torch_dplr bench --no-prewarm --resume $shard --name shard$i --out $BENCH$select_words"
-      CUDA_VISIBLE_DEVICES=$i background "shard$i" bash -c "$bench --modes fwd,fwd_bwd && $bench --modes stage"
+      passes="$bench --modes fwd,fwd_bwd && $bench --modes stage"
+      # FIRST_CELLS: those comparison cells before the others (e.g. the ones whose FLA tuning
+      # is not carried: a run cut short then leaves cells that need no tuning)
+      [ -n "${FIRST_CELLS:-}" ] && passes="$bench --cells $(printf %q "$FIRST_CELLS") --modes fwd,fwd_bwd && $passes"
+      CUDA_VISIBLE_DEVICES=$i background "shard$i" bash -c "$passes"
     done
   fi
   if shards_done; then
