@@ -79,9 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="shrink every shape (implied on the CPU)")
     p.add_argument("--resume", action="store_true",
                    help="append to the output, skipping cells it already holds without error")
-    p.add_argument("--skip-done-in", type=Path, nargs="+", default=[], metavar="JSON",
-                   help="skip the cells these files already hold without error too (a run "
-                   "continued on another machine, whose earlier shards were cut differently)")
+    add_skip_done_in(p)
     p.add_argument("--no-prewarm", action="store_true",
                    help="compile inside the timed cells' first calls instead of in parallel up front")
     p.add_argument("--first-call-timeout", type=float, default=540.0, help="seconds per subprocess")
@@ -98,9 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             cells.shard([], *args.shard)  # checks 0 <= I < N
         except (TypeError, ValueError):
             p.error(f"--shard must be I/N with 0 <= I < N, got {given!r}")
-    for path in args.skip_done_in:
-        if not path.is_file():
-            p.error(f"--skip-done-in: no such file {str(path)!r}")
     args.modes = _modes(args)
     args.policies = [x for x in args.policies.split(",") if x]
     unknown = set(args.modes) - {*cells.MODES, cells.FIRST_CALL, cells.STAGE}
@@ -402,6 +397,26 @@ def done_cells(path: Path) -> set[str]:
             and not any(k.endswith("_error") for k in r)} | stages.done_stage_cells(records)
 
 
+def done_in(paths) -> set[str]:
+    """The cells any of these harness files holds without error."""
+    return set().union(*map(done_cells, paths))
+
+
+def _existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file {text!r}")
+    return path
+
+
+def add_skip_done_in(parser) -> None:
+    """``--skip-done-in JSON...`` (bench and prewarm): a run continued on a fresh machine leaves
+    out the cells the earlier machine's files hold (see :func:`done_in`)."""
+    parser.add_argument("--skip-done-in", type=_existing_file, nargs="+", default=[], metavar="JSON",
+                        help="leave out the cells these harness files already hold without error "
+                        "(a run continued on another machine)")
+
+
 def _pick_device(name) -> torch.device:
     if name:
         return torch.device(name)
@@ -464,7 +479,7 @@ def main(argv=None) -> int:
     meta = run_meta(device, fla)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name or device_stem(device)}.json"
-    skip = (done_cells(path) if args.resume else set()).union(*map(done_cells, args.skip_done_in))
+    skip = (done_cells(path) if args.resume else set()) | done_in(args.skip_done_in)
     todo = [c for c in selected if c.id not in skip]
     if device.type == "cuda" and todo and not args.no_prewarm:
         seconds = prewarm.prewarm(todo, fla=fla is not None,

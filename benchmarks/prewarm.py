@@ -311,33 +311,23 @@ def prewarm(selected, fla: bool, workers: int | None = None, say=print) -> float
     return time.perf_counter() - start
 
 
-def cells_left(selected, done_files) -> list:
-    """The cells that no harness file in ``done_files`` holds without error (a run continued
-    on a fresh machine prewarms only what is left to time)."""
-    from .harness import done_cells
-
-    done = set().union(*map(done_cells, done_files))
-    return [c for c in selected if c.id not in done]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.prewarm", description=__doc__.split("\n")[0])
     parser.add_argument("--cells", help="regular expression on cell ids (as bench --cells)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--workers", type=int)
-    parser.add_argument("--skip-done-in", type=Path, nargs="+", default=[], metavar="JSON",
-                        help="leave out the cells these harness files hold without error")
+    from . import harness  # not at the top: the harness imports this module
+
+    harness.add_skip_done_in(parser)
     parser.add_argument("--fla-job", help=argparse.SUPPRESS)  # a worker: one JSON job
     args = parser.parse_args(argv)
-    for path in args.skip_done_in:
-        if not path.is_file():
-            parser.error(f"--skip-done-in: no such file {str(path)!r}")
     if args.fla_job:
         print(warm_fla_job(json.loads(args.fla_job)), flush=True)
         return 0
     selected = cells_mod.select(cells_mod.envelope(quick=args.quick), args.cells, cells_mod.MODES)
-    selected = cells_left(selected, args.skip_done_in)
+    done = harness.done_in(args.skip_done_in)  # a continued run prewarms only what is left
+    selected = [c for c in selected if c.id not in done]
     seconds = prewarm(selected, fla=not args.no_fla, workers=args.workers,
                       say=lambda line: print(line, flush=True))
     print(f"prewarm done in {seconds:.0f} s", flush=True)

@@ -328,7 +328,7 @@ def test_prewarm_tunes_nothing_it_would_drop():
     assert not prewarm.compile_only_autotuning(OldAutotuner) and OldAutotuner().do_bench == "timer"
 
 
-def test_prewarm_leaves_out_cells_done_elsewhere(tmp_path):
+def test_prewarm_leaves_out_cells_done_elsewhere(tmp_path, monkeypatch):
     from benchmarks import prewarm
 
     envelope = cells.envelope()
@@ -336,9 +336,12 @@ def test_prewarm_leaves_out_cells_done_elsewhere(tmp_path):
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps({"cell": done.id}) + "\n"
                     + json.dumps({"cell": failed.id, "torch_dplr_error": "x"}) + "\n")
-    left = prewarm.cells_left(envelope, [path])
-    assert done not in left and failed in left and len(left) == len(envelope) - 1
-    assert prewarm.cells_left(envelope, []) == envelope
+    assert harness.done_in([path]) == {done.id} and harness.done_in([]) == set()
+    selected = []  # what prewarm.main would compile for: stands in for prewarm.prewarm
+    monkeypatch.setattr(prewarm, "prewarm", lambda cells_, **kw: selected.extend(cells_) or 0.0)
+    assert prewarm.main(["--skip-done-in", str(path)]) == 0
+    every = cells.select(envelope, None, cells.MODES)
+    assert done not in selected and failed in selected and len(selected) == len(every) - 1
     with pytest.raises(SystemExit):
         prewarm.main(["--skip-done-in", str(tmp_path / "absent.json")])
 

@@ -44,17 +44,16 @@ if [ ! -d "$W" ] && [ -f .gpu/envelope_state.tgz ]; then
   # again here, the new shards skipping the cells the earlier ones timed
   mkdir -p "$W" && tar xzf .gpu/envelope_state.tgz -C "$W"
   n=$(find "$W" -maxdepth 1 -name 'earlier*.log' | wc -l)
-  for job in prewarm side precompile shard0 shard1 shard2 shard3 shard4 shard5 shard6 shard7; do
+  for started in "$W"/*.started; do  # the background jobs
+    [ -f "$started" ] || continue
+    job=$(basename "$started" .started)
+    [ "$job" = tests ] && [ "$(cat "$W/tests.done" 2>/dev/null)" = 0 ] && continue  # passed there
     [ -f "$W/$job.log" ] && mv "$W/$job.log" "$W/earlier$n-$job.log"
     rm -f "$W/$job.started" "$W/$job.done" "$W/$job.pid"
   done
-  [ "$(cat "$W/tests.done" 2>/dev/null)" = 0 ] || rm -f "$W"/tests.*
+  rm -f "$W/precompile.done"  # per machine (it fills that machine's kernel cache)
   for f in "$BENCH"/shard*.json; do [ -f "$f" ] && mv "$f" "$BENCH/earlier$n-$(basename "$f")"; done
-  if [ -f "$W/fla_cache.tar.xz" ]; then  # FLA's tuning (and TileLang kernels) made there
-    rm -rf /tmp/flarestore && mkdir -p /tmp/flarestore
-    xz -dc "$W/fla_cache.tar.xz" | tar -C /tmp/flarestore -xf -
-    cp -rn /tmp/flarestore/triton/. ~/.triton/cache/ && cp -rn /tmp/flarestore/tlc/. /tmp/tlc/
-  fi
+  [ -f "$W/fla_cache.tar.xz" ] && load_fla_cache "$W/fla_cache.tar.xz"  # FLA's tuning made there
   echo "restored: $(cat "$BENCH"/earlier*.json 2>/dev/null | wc -l) records, first call $([ -f "$W/first_call.done" ] && echo kept || echo not yet)"
 fi
 mkdir -p "$BENCH"

@@ -5,14 +5,18 @@
 # sets t0 (the script's start) for the timings.
 t0=${t0:-$(date +%s)}
 mkdir -p /tmp/site /tmp/tlc ~/.triton/cache
+load_fla_cache() {  # load_fla_cache FILE: a save_fla_cache archive into the caches, keeping what
+  # is there (its triton/ autotune results, its tlc/ TileLang kernels, either may be absent)
+  rm -rf /tmp/flacache && mkdir -p /tmp/flacache && xz -dc "$1" | tar -C /tmp/flacache -xf -
+  [ -d /tmp/flacache/triton ] && cp -rn /tmp/flacache/triton/. ~/.triton/cache/
+  [ -d /tmp/flacache/tlc ] && cp -rn /tmp/flacache/tlc/. /tmp/tlc/
+  return 0
+}
 if [ ! -f /tmp/site/.done ]; then  # once per machine (a warm machine keeps /tmp)
   xz -dc .gpu/site.tar.xz | tar -C /tmp/site -xf -
   [ -f .gpu/tlcache.tar.xz ] && xz -dc .gpu/tlcache.tar.xz | tar -C /tmp/tlc -xf -
   [ -f .gpu/fla_triton_autotune_h200.tar.xz ] && tar -C ~/.triton/cache -xJf .gpu/fla_triton_autotune_h200.tar.xz
-  if [ -f .gpu/fla_cache.tar.xz ]; then  # see SAVE_FLA_CACHE
-    mkdir -p /tmp/flacache && xz -dc .gpu/fla_cache.tar.xz | tar -C /tmp/flacache -xf -
-    cp -rn /tmp/flacache/triton/. ~/.triton/cache/ && cp -rn /tmp/flacache/tlc/. /tmp/tlc/
-  fi
+  [ -f .gpu/fla_cache.tar.xz ] && load_fla_cache .gpu/fla_cache.tar.xz  # see SAVE_FLA_CACHE
   touch /tmp/site/.done
 fi
 export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
