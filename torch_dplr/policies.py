@@ -23,13 +23,12 @@ Ops outside the ``dplr`` namespace are recomputed unless listed in ``extra_save_
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Iterable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import ops
+from .checkpoint_policy import PolicySet
 
 FORWARD_OPS = frozenset(getattr(torch.ops.dplr, name).default for name in ops.FORWARD_OPS)
 
@@ -39,54 +38,22 @@ POLICIES: dict[str, frozenset] = {
     "save_all": FORWARD_OPS,
 }
 
-
-def _as_overload(op):
-    """``torch.ops.dplr.x``, ``torch.ops.dplr.x.default`` or ``"dplr::x"`` -> the overload."""
-    if isinstance(op, str):
-        namespace, _, name = op.rpartition("::")
-        try:
-            op = getattr(getattr(torch.ops, namespace or "dplr"), name)
-        except AttributeError:
-            raise ValueError(f"unknown op {op!r} in a checkpoint policy") from None
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        op = op.default
-    if not isinstance(op, torch._ops.OpOverload):
-        raise TypeError(f"checkpoint policies take ops (e.g. torch.ops.dplr.chunk_state_fwd), "
-                        f"got {type(op).__name__}")
-    return op
-
-
-def _resolve(policy) -> frozenset:
-    if isinstance(policy, str):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)} or a set of ops, got {policy!r}")
-        return POLICIES[policy]
-    return frozenset(map(_as_overload, policy))
-
-
-def recomputed_ops(policy) -> frozenset:
-    """The ``dplr`` forward ops a policy recomputes in the backward."""
-    return FORWARD_OPS - _resolve(policy)
-
-
 # Kept under every policy: the call's chunk tables (a few KB of int32), cheaper to keep than to
 # rebuild in the backward.
 ALWAYS_SAVED = frozenset({torch.ops.dplr.chunk_tables.default})
 
+_SET = PolicySet("dplr", FORWARD_OPS, POLICIES, ALWAYS_SAVED,
+                 example="torch.ops.dplr.chunk_state_fwd")
+
+
+def recomputed_ops(policy) -> frozenset:
+    """The ``dplr`` forward ops a policy recomputes in the backward."""
+    return _SET.recomputed_ops(policy)
+
 
 def policy_fn(policy="save_state", extra_save_ops: Iterable = ()) -> Callable:
     """The per-op decision function for ``create_selective_checkpoint_contexts``."""
-    save = _resolve(policy) | ALWAYS_SAVED | frozenset(map(_as_overload, extra_save_ops))
-
-    def decide(ctx, op, *args, **kwargs):
-        if op in save:
-            return CheckpointPolicy.MUST_SAVE
-        if op in FORWARD_OPS:
-            # Forced: the min-cut partitioner would otherwise keep custom-op outputs.
-            return CheckpointPolicy.MUST_RECOMPUTE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return decide
+    return _SET.policy_fn(policy, extra_save_ops)
 
 
 def context_fn(policy="save_state", extra_save_ops: Iterable = ()) -> Callable:
@@ -94,5 +61,4 @@ def context_fn(policy="save_state", extra_save_ops: Iterable = ()) -> Callable:
 
     ``policy`` is a name from ``POLICIES`` or an iterable of ``dplr`` op overloads to keep.
     """
-    return functools.partial(create_selective_checkpoint_contexts,
-                             policy_fn(policy, extra_save_ops))
+    return _SET.context_fn(policy, extra_save_ops)
