@@ -153,9 +153,9 @@ def test_unknown_kwargs_and_head_first():
         _call(args, head_first=True)
 
 
-def test_cp_context_unsupported():
+def test_cp_context_must_come_from_build_context():
     args, _ = _args()
-    with pytest.raises(NotImplementedError, match="cp_context"):
+    with pytest.raises(TypeError, match="cp_context"):
         _call(args, cp_context=object())
 
 

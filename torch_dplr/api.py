@@ -74,7 +74,9 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
         chunk_size: 16, 32 or 64 (default 64).
         disable_recompute: accepted for compatibility, no effect: recompute is a checkpoint
             policy here (see :mod:`torch_dplr.policies`).
-        cp_context: context parallelism is not supported (``NotImplementedError``).
+        cp_context: a :func:`torch_dplr.cp.build_context` context: the inputs are this
+            rank's share ``[1, T_rank, H, D]`` of the packed tokens, ``o`` its share of the
+            result (see ``docs/context_parallel.md``).
         lower_bound: a promise ``lower_bound <= gk`` (negative); lets GPU kernels use a faster
             exact scheme.  Results never depend on it.
 
@@ -83,7 +85,9 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
     """
     _reject_extra_kwargs(kwargs, "chunk_dplr_delta_rule")
     if cp_context is not None:
-        raise NotImplementedError("cp_context (context parallelism) is not supported by torch_dplr")
+        return _context_parallel(dict(q=q, k=k, v=v, a=a, b=b, gk=gk), "gk", scale, initial_state,
+                                 output_final_state, cu_seqlens, cu_seqlens_cpu, safe_gate,
+                                 chunk_size, lower_bound, cp_context)
     q, k, v, a, b = _under_autocast(dict(q=q, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(q=q, k=k, v=v, a=a, b=b, gk=gk), gate="gk", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -101,13 +105,26 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     """
     _reject_extra_kwargs(kwargs, "chunk_rwkv7")
     if cp_context is not None:
-        raise NotImplementedError("cp_context (context parallelism) is not supported by torch_dplr")
+        return _context_parallel(dict(r=r, k=k, v=v, a=a, b=b, w=w), "w", scale, initial_state,
+                                 output_final_state, cu_seqlens, cu_seqlens_cpu, safe_gate,
+                                 chunk_size, lower_bound, cp_context)
     r, k, v, a, b = _under_autocast(dict(r=r, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(r=r, k=k, v=v, a=a, b=b, w=w), gate="w", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                  chunk_size=chunk_size, lower_bound=lower_bound)
     return _chunk(r, k, v, a, b, w, scale, initial_state, output_final_state, cu_seqlens,
                   safe_gate, chunk_size, lower_bound)
+
+
+def _context_parallel(tensors, gate, scale, initial_state, output_final_state, cu_seqlens,
+                      cu_seqlens_cpu, safe_gate, chunk_size, lower_bound, cp_context):
+    # imported here: torch_dplr.cp composes the public functions of this module
+    from .cp.chunk import chunk_context_parallel
+    return chunk_context_parallel(tensors, gate=gate, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                  cu_seqlens_cpu=cu_seqlens_cpu, safe_gate=safe_gate,
+                                  chunk_size=chunk_size, lower_bound=lower_bound,
+                                  cp_context=cp_context)
 
 
 def _chunk(q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, safe_gate,
