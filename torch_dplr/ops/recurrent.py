@@ -1,11 +1,36 @@
-"""``dplr::recurrent_fwd`` / ``dplr::recurrent_bwd``: the per-token recurrence (decode, short T)."""
+"""``dplr::recurrent_fwd`` / ``dplr::recurrent_bwd``: the per-token recurrence (decode, short T).
+
+On CUDA (:mod:`torch_dplr.ops.triton_path`) the forward runs ``csrc_triton.recurrent`` (one
+token at a time, state in registers: decode, short sequences) or, for sequences of more than
+:data:`PER_TOKEN_MAX_AVG_LEN` tokens on average, the chunked sweep ``csrc_triton.chunk_fwd``,
+which gives the same result with 16-token tiles.  The backward recomputes the forward's
+chunk-start states with the sweep and differentiates it in one reverse sweep
+(``csrc_triton.chunk_bwd``): nothing of the forward is saved but its inputs.  Neither reads a
+tensor value on the host, so both can be captured in a CUDA graph.
+"""
 
 import torch
 from torch import Tensor
 
 from ..reference import recurrent as ref
 from .chunked import SequenceView, start_state, without_autocast
-from .shapes import allocate, recurrent_bwd_shapes, recurrent_fwd_shapes, zeros_for_missing
+from .shapes import (allocate, num_sequences, recurrent_bwd_shapes, recurrent_fwd_shapes,
+                     zeros_for_missing)
+from .triton_path import SWEEP_CHUNK, per_token_kernel_applies, sweep_kernels_apply
+from .varlen import as_one_sequence_list as flat
+from .varlen import kernel_tables
+
+# Average tokens per sequence up to which the per-token kernel runs the forward; longer
+# sequences take the chunked sweep (16 tokens a step).
+PER_TOKEN_MAX_AVG_LEN = 64
+
+
+def sequence_offsets(cu_seqlens: Tensor, B: int, T: int, device) -> Tensor:
+    """int32 ``[N+1]`` token offsets of a call's sequences in its flattened token list (rect
+    batches: ``B`` sequences of ``T``), made on the device without a host sync."""
+    if cu_seqlens.numel():
+        return cu_seqlens.to(torch.int32)
+    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
 
 
 
@@ -23,6 +48,54 @@ def recurrent_fwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tenso
 
 
 recurrent_fwd = torch.library.custom_op("dplr::recurrent_fwd", mutates_args=())(recurrent_fwd_reference)
+
+
+def _state_ok(initial_state, use_initial_state) -> bool:
+    # the kernels read and write fp32 states
+    return not use_initial_state or initial_state.dtype == torch.float32
+
+
+@recurrent_fwd.register_kernel("cuda")
+@without_autocast
+def recurrent_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state,
+                       reverse):
+    B, T = q.shape[:2]
+    N = num_sequences(q, cu_seqlens)
+    short = B * T <= PER_TOKEN_MAX_AVG_LEN * N
+    sweep = not short and sweep_kernels_apply(q, v, gk, N)
+    if not (_state_ok(initial_state, use_initial_state)
+            and (sweep or per_token_kernel_applies(q, v, gk, N))):
+        return recurrent_fwd_reference(q, k, v, a, b, gk, initial_state, cu_seqlens, scale,
+                                       use_initial_state, reverse)
+    o, ht = allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
+    h0 = initial_state.float().contiguous() if use_initial_state else ht
+    tokens = tuple(map(flat, (q, k, v, a, b, gk)))
+    if sweep:
+        _sweep_forward(tokens, h0, cu_seqlens, B, T, flat(o), ht, scale, use_initial_state,
+                       reverse, store_states=False)
+        return o, ht
+    from csrc_triton import recurrent as kernel
+    cu = sequence_offsets(cu_seqlens, B, T, q.device)
+    kernel.launch(*tokens, h0, cu, cu, flat(o), ht, float(scale), use_initial_state, False,
+                  bool(reverse))
+    return o, ht
+
+
+def _sweep_forward(tokens, h0, cu_seqlens, B, T, o, ht, scale, use_h0, reverse, store_states):
+    """The chunked sweep forward over flattened ``tokens``; returns (tables, states, flags)
+    for its backward."""
+    from csrc_triton import chunk_fwd
+    q, v = tokens[0], tokens[2]
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    tables = kernel_tables(cu_seqlens, B, T, SWEEP_CHUNK, q.device)
+    N = tables.cu_seqlens.shape[0] - 1
+    states = (ht.new_empty(1, tables.chunk_start.shape[0], H, K, V) if store_states
+              else ht.new_empty(0))
+    flags = torch.empty(N, H, dtype=torch.int32, device=q.device)
+    chunk_fwd.launch(*tokens, h0, tables.cu_seqlens, tables.chunk_offsets, o, ht, states,
+                     flags, float(scale), SWEEP_CHUNK, use_h0, store_states, True,
+                     bool(reverse))
+    return tables, states, flags
 
 
 @recurrent_fwd.register_fake
@@ -51,6 +124,33 @@ def recurrent_bwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tenso
 
 
 recurrent_bwd = torch.library.custom_op("dplr::recurrent_bwd", mutates_args=())(recurrent_bwd_reference)
+
+
+@recurrent_bwd.register_kernel("cuda")
+@without_autocast
+def recurrent_bwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
+                       use_initial_state, use_dht, reverse):
+    B, T, H, K = q.shape
+    if not (_state_ok(initial_state, use_initial_state)
+            and sweep_kernels_apply(q, v, gk, num_sequences(q, cu_seqlens))):
+        return recurrent_bwd_reference(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
+                                       scale, use_initial_state, use_dht, reverse)
+    from csrc_triton import chunk_bwd
+    outs = allocate(recurrent_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state),
+                    q.device)
+    o, ht = allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
+    h0 = initial_state.float().contiguous() if use_initial_state else ht
+    tokens = tuple(map(flat, (q, k, v, a, b, gk)))
+    tables, states, flags = _sweep_forward(tokens, h0, cu_seqlens, B, T, flat(o), ht, scale,
+                                           use_initial_state, reverse, store_states=True)
+    N = tables.cu_seqlens.shape[0] - 1
+    workspace = ht.new_empty(chunk_bwd.workspace_shape(H, N, SWEEP_CHUNK // 16, K, K))
+    dht4 = dht.float().reshape(N, H, K, K).contiguous() if use_dht else ht
+    dh0 = outs[6] if use_initial_state else ht
+    chunk_bwd.launch(*tokens, states, flat(do.contiguous()), dht4, tables.cu_seqlens,
+                     tables.chunk_offsets, flags, workspace, *map(flat, outs[:6]), dh0,
+                     float(scale), SWEEP_CHUNK, use_dht, use_initial_state, True, bool(reverse))
+    return outs
 
 
 @recurrent_bwd.register_fake

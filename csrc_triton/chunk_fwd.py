@@ -1,0 +1,116 @@
+"""The chunked forward in one sweep: ``o``, the final state and (for training) the state at
+every chunk start, straight from q, k, v, a, b, gk.
+
+One program per (head, sequence) walks the sequence (from its end with ``REVERSE``) in tiles
+of ``BT`` rows with the fp32 state ``[K, V]`` in registers (:mod:`csrc_triton.dplr_tile` has
+the tile's math); at the start of every chunk of ``C = BT · TILES_PER_CHUNK`` rows it writes
+the state when ``STORE_H``.
+
+HBM traffic (bytes per token and head, bf16 data, fp32 gates, D = K = V)::
+
+    read   q k v a b: 5 · 2D     gk: 4D
+    write  o: 2D                 states: 4·D·D / C   (STORE_H; 4D at C = D = 64)
+
+At B8 T4096 H32 D64, chunk 64: 939 MB read, 134 MB of o and 268 MB of states written (1.34 GB);
+nothing else crosses HBM.  The no-grad forward is the same kernel with ``STORE_H`` off.
+
+Schemes (``MODE``, :mod:`csrc_triton.dplr_tile`): a call whose gates carry a declared bound
+runs ``FAST`` (centred products only), which counts per (sequence, head) the tiles whose gates
+broke the bound into ``flags``, then ``EXACT_FLAGGED``, whose programs redo exactly those
+(sequence, head) pairs (the others return at once): a broken promise costs time, never
+accuracy, and needs no host sync.  Calls without a bound run ``EXACT_ALL``.
+
+Signature (caller-allocated outputs; token tensors flattened to one sequence list)::
+
+    chunk_fwd(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h, flags, scale, ...)
+
+q, k, a, b [1, T, H, K]; v, o [1, T, H, V] (bf16 / fp16); gk [1, T, H, K] (fp32 or the data
+dtype); h0 [N, H, K, V] fp32 (read when ``USE_H0``); cu_seqlens, chunk_offsets int32 [N+1]
+(``torch_dplr.ops.varlen``); ht [N, H, K, V] fp32; h [1, slots, H, K, V] fp32 (chunk slot
+``chunk_offsets[n] + c``; written when ``STORE_H``); flags int32 [N, H] (written by ``FAST``,
+read by ``EXACT_FLAGGED``, unused by ``EXACT_ALL``).
+"""
+import triton
+import triton.language as tl
+
+from ._common import round_to
+from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, load_tile, sequence_of,
+                        tile_forward_terms, tile_rows, tile_state_step)
+
+BT_DEFAULT = 16
+
+
+def grid(num_heads: int, num_seqs: int):
+    return (num_heads, num_seqs)
+
+
+@triton.jit
+def chunk_fwd_kernel(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out, flags,
+                     scale, H, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, USE_H0: tl.constexpr,
+                     STORE_H: tl.constexpr, MODE: tl.constexpr, REVERSE: tl.constexpr):
+    i_h = tl.program_id(0)
+    i_n = tl.program_id(1)
+    flag = flags + i_n * H + i_h
+    if MODE == EXACT_FLAGGED:
+        run = tl.load(flag) != 0
+    else:
+        run = True
+    if run:
+        misfits = _sweep(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out,
+                         scale, i_h, i_n, H, K, V, BT, TILES_PER_CHUNK, USE_H0, STORE_H,
+                         MODE != FAST, REVERSE)
+        if MODE == FAST:
+            tl.store(flag, misfits)
+
+
+@triton.jit
+def _sweep(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out, scale, i_h, i_n,
+           H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+           TILES_PER_CHUNK: tl.constexpr, USE_H0: tl.constexpr, STORE_H: tl.constexpr,
+           EXACT: tl.constexpr, REVERSE: tl.constexpr):
+    """One (head, sequence)'s walk; returns how many tiles the centred scheme could not take."""
+    dtype: tl.constexpr = o.dtype.element_ty
+    bos, eos, slot0 = sequence_of(cu_seqlens, chunk_offsets, i_n)
+    ck = tl.arange(0, K)
+    cv = tl.arange(0, V)
+    state_offsets = ck[:, None] * V + cv[None, :]
+    seq_state = (i_n * H + i_h) * K * V
+    if USE_H0:
+        h = tl.load(h0 + seq_state + state_offsets)
+    else:
+        h = tl.zeros([K, V], dtype=tl.float32)
+    misfits = 0
+    for t in range(tl.cdiv(eos - bos, BT)):
+        if STORE_H:
+            if t % TILES_PER_CHUNK == 0:
+                slot = slot0 + t // TILES_PER_CHUNK
+                tl.store(h_out + (slot * H + i_h) * K * V + state_offsets, h)
+        tok, valid = tile_rows(bos, eos, t, BT, REVERSE)
+        q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K, V)
+        (qg, kg, bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,
+         centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype, EXACT, BT)
+        misfits += tl.where(centred_fits(Gl, centre), 0, 1)
+        o_t, _v_new, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid, dtype)
+        row_v = (tok[:, None] * H + i_h) * V + cv[None, :]
+        tl.store(o + row_v, round_to(o_t, dtype), mask=valid[:, None])
+    tl.store(ht + seq_state + state_offsets, h)
+    return misfits
+
+
+def launch(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h, flags, scale: float,
+           chunk_size: int, use_h0: bool, store_h: bool, bounded: bool, reverse: bool = False,
+           num_warps: int = 4):
+    """Run the forward on flattened ``[1, T, H, D]`` tensors: ``FAST`` then ``EXACT_FLAGGED``
+    for a call with a declared gate bound (``bounded``), ``EXACT_ALL`` otherwise.  ``flags``
+    (int32 ``[N, H]``) is left as the backward must read it."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    modes = (FAST.value, EXACT_FLAGGED.value) if bounded else (EXACT_ALL.value,)
+    for mode in modes:
+        chunk_fwd_kernel[grid(H, N)](q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht,
+                                     h, flags, scale, H=H, K=K, V=V, BT=BT_DEFAULT,
+                                     TILES_PER_CHUNK=chunk_size // BT_DEFAULT, USE_H0=use_h0,
+                                     STORE_H=store_h, MODE=mode, REVERSE=reverse,
+                                     num_warps=num_warps,
+                                     num_stages=1)

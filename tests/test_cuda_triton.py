@@ -1,0 +1,120 @@
+"""The Triton kernels on the GPU (marker ``cuda``): the per-token ops' CUDA kernels against the
+fp64 recurrence at real sizes (decode, short prefills, training on short sequences, reverse
+walks, varlen), gates far below a declared bound, the state pool in place, opcheck, and
+CUDA-graph capture and replay of a decode step.  Skipped without a GPU."""
+import pytest
+import torch
+
+import torch_dplr
+from torch_dplr.testing import TOLERANCES, make_inputs, recurrence_oracle, rms_ratio
+
+pytestmark = pytest.mark.cuda
+
+
+def _case(B, T, H, K, cu=None, dtype=torch.bfloat16, seed=0, gate_scale=1.0):
+    x = make_inputs(B, T, H, K, dtype=dtype, device="cuda", seed=seed,
+                    num_states=B if cu is None else len(cu) - 1)
+    x["gk"] = x["gk"] * gate_scale
+    return x
+
+
+def _check(x, cu, reverse, scale=0.5):
+    names = "q k v a b gk initial_state".split()
+    leaves = [x[n].detach().clone().requires_grad_() for n in names]
+    cu_t = None if cu is None else torch.tensor(cu, device="cuda")
+    o, ht = torch_dplr.fused_recurrent_dplr_delta_rule(
+        *leaves[:6], scale=scale, initial_state=leaves[6], output_final_state=True,
+        reverse=reverse, cu_seqlens=cu_t)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device="cuda", generator=gen)
+    grads = torch.autograd.grad((o, ht), leaves, (do, dht))
+    ref = [x[n].detach().double().requires_grad_() for n in names]
+    if reverse:  # the oracle walks forward: flip each sequence in time
+        bounds = [(0, x["q"].shape[1])] if cu is None else list(zip(cu[:-1], cu[1:]))
+        index = torch.cat([torch.arange(e - 1, s - 1, -1) for s, e in bounds]).cuda()
+        flip = lambda t: t[:, index]  # noqa: E731
+    else:
+        flip = lambda t: t  # noqa: E731
+    ro, rht = recurrence_oracle(*(flip(t) for t in ref[:6]), scale, ref[6], cu_t)
+    ref_grads = torch.autograd.grad((flip(ro), rht), ref, (do.double(), dht.double()))
+    bar_out, bar_grad = TOLERANCES[x["q"].dtype]
+    for name, got, want in zip(("o", "ht"), (o, ht), (flip(ro), rht)):
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < bar_out, name
+    for name, got, want in zip("dq dk dv da db dgk dh0".split(), grads, ref_grads):
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < bar_grad, name
+
+
+@pytest.mark.parametrize("B,T,H,K,cu,reverse", [
+    (64, 1, 16, 64, None, False),                     # decode steps
+    (8, 16, 16, 64, None, False),                     # short prefills / speculative blocks
+    (2, 1024, 16, 64, None, False),                   # training on short sequences: the sweep
+    (2, 1024, 16, 64, None, True),
+    (1, 2048, 16, 64, [0, 1, 700, 701, 2048], False),
+    (1, 600, 8, 32, [0, 5, 300, 301, 600], True),
+    (4, 8, 8, 128, None, False),                      # K 128: per-token forward, PyTorch backward
+])
+def test_recurrent_kernels_match_oracle(B, T, H, K, cu, reverse):
+    _check(_case(B, T, H, K, cu), cu, reverse)
+
+
+def test_recurrent_fp32_data_on_the_gpu():
+    _check(_case(2, 40, 4, 32, dtype=torch.float32), None, False)
+
+
+def test_gates_far_below_rwkv7_bound_stay_exact():
+    """The per-token path declares no bound, and the sweep's centred pass hands tiles with
+    gates x100 and at -1e4 to its exact pass."""
+    x = _case(2, 512, 8, 64, gate_scale=100.0)
+    x["gk"][:, ::97, :, ::11] = -1e4
+    _check(x, None, False)
+
+
+def test_decode_pool_in_place_matches_functional_decode():
+    x = _case(16, 1, 32, 64, seed=3)
+    pool = torch.randn(40, 32, 64, 64, device="cuda")
+    slots = torch.randperm(40, device="cuda")[:16].to(torch.int32)
+    before = pool.clone()
+    args = [x[n] for n in "q k v a b gk".split()]
+    o = torch_dplr.dplr_decode(*args, pool, slots, scale=1.0)
+    o_ref, ht = torch_dplr.fused_recurrent_dplr_delta_rule(
+        *(t.double() for t in args), scale=1.0, initial_state=before[slots.long()].double(),
+        output_final_state=True)
+    assert rms_ratio(o, o_ref) < TOLERANCES[torch.bfloat16][0]
+    assert rms_ratio(pool[slots.long()], ht) < 1e-6
+    others = torch.ones(40, dtype=torch.bool, device="cuda")
+    others[slots.long()] = False
+    assert torch.equal(pool[others], before[others])
+
+
+def test_decode_step_replays_in_a_cuda_graph():
+    x = _case(8, 1, 16, 64, seed=4)
+    args = [x[n] for n in "q k v a b gk".split()]
+    pool = torch.randn(8, 16, 64, 64, device="cuda")
+    slots = torch.arange(8, dtype=torch.int32, device="cuda")
+    start = pool.clone()
+    torch_dplr.dplr_decode(*args, pool, slots, scale=1.0, check_values=False)  # warm up
+    pool.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = torch_dplr.dplr_decode(*args, pool, slots, scale=1.0, check_values=False)
+    pool.copy_(start)
+    graph.replay()
+    expect = start.clone()
+    o_ref = torch_dplr.dplr_decode(*args, expect, slots, scale=1.0, check_values=False)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(pool, expect, rtol=0, atol=0)
+
+
+def test_opcheck_recurrent_ops_on_kernel_shapes():
+    x = _case(2, 40, 2, 32, seed=5)
+    cu = torch.empty(0, dtype=torch.int64, device="cuda")
+    args = [x[n] for n in "q k v a b gk initial_state".split()]
+    for grad in (False, True):
+        inputs = [t.detach().clone().requires_grad_(grad) for t in args]
+        torch.library.opcheck(torch.ops.dplr.recurrent_fwd.default,
+                              (*inputs, cu, 0.5, True, False))
+    do = torch.randn_like(x["v"])
+    dht = torch.randn(2, 2, 32, 32, device="cuda")
+    torch.library.opcheck(torch.ops.dplr.recurrent_bwd.default,
+                          (*args, cu, do, dht, 0.5, True, True, True))

@@ -1,0 +1,73 @@
+"""Every Triton kernel (``csrc_triton``) compiles for sm_90a with no GPU: Triton's compiler
+and its bundled ptxas run on the CPU.  The compiles run in a child process without
+``TRITON_INTERPRET`` (conftest.py turns the interpreter on for CPU test sessions)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def variants():
+    """(kernel, pointer dtypes, constexprs): the sweep's three schemes at chunks 16 and 64,
+    forward and backward, and the per-token kernel (functional, pool-indexed, and flagged)."""
+    p, f = "*bf16", "*fp32"
+    fwd = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h0=f, cu_seqlens="*i32", chunk_offsets="*i32",
+               o=p, ht=f, h_out=f, flags="*i32", scale="fp32", H="i32")
+    bwd = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h_saved=f, do=p, dht=f, cu_seqlens="*i32",
+               chunk_offsets="*i32", flags="*i32", workspace=f, dq=p, dk=p, dv=p, da=p, db=p,
+               dgk=f, dh0=f, scale="fp32", H="i32")
+    rec = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h0=f, state_rows="*i32", cu_seqlens="*i32",
+               flags="*i32", o=p, ht=f, scale="fp32", H="i32")
+    for mode in (0, 1, 2):
+        for tiles in (1, 4):
+            yield "chunk_fwd", fwd, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=tiles,
+                                         USE_H0=True, STORE_H=True, MODE=mode, REVERSE=False)
+    for mode, tiles, reverse in ((0, 4, False), (1, 4, False), (2, 1, True)):
+        yield "chunk_bwd", bwd, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=tiles,
+                                     USE_DHT=True, WRITE_DH0=True, MODE=mode, REVERSE=reverse)
+    for indexed, flagged in ((False, False), (True, False), (False, True)):
+        yield "recurrent", rec, dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=indexed,
+                                     REVERSE=False, FLAGGED=flagged)
+
+
+def compile_all():
+    """Compile every variant for sm_90a; print one JSON line each (registers, spills)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kernels = {"chunk_fwd": ("csrc_triton.chunk_fwd", "chunk_fwd_kernel", 4),
+               "chunk_bwd": ("csrc_triton.chunk_bwd", "chunk_bwd_kernel", 4),
+               "recurrent": ("csrc_triton.recurrent", "recurrent_fwd_kernel", 4)}
+    for name, pointers, constexprs in variants():
+        module, attr, warps = kernels[name]
+        fn = getattr(importlib.import_module(module), attr)
+        signature = dict(pointers, **{c: "constexpr" for c in constexprs})
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": 1})
+        assert compiled.asm["cubin"], name
+        print(json.dumps(dict(kernel=name, **constexprs, shared=compiled.metadata.shared)),
+              flush=True)
+
+
+def test_every_triton_kernel_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(list(variants()))
+
+
+if __name__ == "__main__":
+    compile_all()
