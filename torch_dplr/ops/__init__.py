@@ -1,5 +1,6 @@
 """Registers every ``torch.ops.dplr.*`` operator (importing this package is enough)."""
 from . import fused, intra, recurrent, state, varlen, wy  # noqa: F401
+from . import decode  # noqa: F401
 
 FORWARD_OPS = ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "recurrent_fwd")
 BACKWARD_OPS = ("chunk_intra_bwd", "chunk_wy_bwd", "chunk_state_bwd", "recurrent_bwd")
@@ -8,3 +9,5 @@ BACKWARD_OPS = ("chunk_intra_bwd", "chunk_wy_bwd", "chunk_state_bwd", "recurrent
 NO_GRAD_OPS = ("chunk_fwd_fused",)
 # The kernels' chunk tables of a call (integer in and out, built once, read by every stage op).
 TABLE_OPS = ("chunk_tables",)
+# Serving: advances requests whose states live in a pool, in place (no autograd, no policy).
+SERVING_OPS = ("decode_pool",)

@@ -1,0 +1,48 @@
+"""RWKV-7's inference form that takes the normalized key and the in-context learning rate.
+
+flash-linear-attention's ``RWKV7Attention`` decodes through ``fused_mul_recurrent_rwkv7``,
+which takes ``kk`` (the l2-normalized key) and ``a`` (the in-context learning rate, iclr)
+instead of the DPLR pair, and forms ``a_dplr = -kk`` and ``b_dplr = kk·a`` itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import api
+from .validation import check_inputs
+
+__all__ = ["fused_mul_recurrent_rwkv7"]
+
+
+def fused_mul_recurrent_rwkv7(r, w, k, v, kk, a, scale=1.0, initial_state=None,
+                              output_final_state=False, reverse=False, cu_seqlens=None):
+    """RWKV-7 per token with the DPLR pair formed inside: ``a_dplr = -kk``, ``b_dplr = kk·a``.
+
+    ``S_t = diag(exp(w_t)) S_{t-1} + (kk_t·a_t) ((-kk_t)ᵀ S_{t-1}) + k_t v_tᵀ``,
+    ``o_t = scale · S_tᵀ r_t``: the same as :func:`torch_dplr.fused_recurrent_rwkv7` called
+    with ``a=-kk, b=kk*a``.  Arguments and defaults are flash-linear-attention's.
+
+    Args:
+        r, k, kk, a: ``[B, T, H, K]``; v: ``[B, T, H, V]``, one dtype; w: ``[B, T, H, K]``
+            log-decay, any float dtype.
+        scale: default 1.0 (``None``: ``K ** -0.5``).
+        initial_state: ``[N, H, K, V]``; output_final_state: also return the fp32 final state.
+        reverse: walk each sequence from its last token.
+        cu_seqlens: ``[N+1]`` offsets of packed sequences (``B == 1``).
+
+    Returns:
+        ``(o [B, T, H, V], final_state or None)``.  Differentiable (the per-token backward,
+        which keeps every state: short sequences only).  ``kk·a`` is rounded to the inputs'
+        dtype before the recurrence (FLA's kernel keeps it in fp32): one extra rounding in
+        bf16/fp16.
+    """
+    r, k, v, kk, a = api._under_autocast(dict(r=r, k=k, v=v, kk=kk, a=a)).values()
+    check_inputs(dict(r=r, k=k, v=v, kk=kk, a=a, w=w), gate="w", value="v", scale=scale,
+                 initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None)
+    scale = r.shape[-1] ** -0.5 if scale is None else float(scale)
+    # fixed arity: absent tensors travel as size-0 tensors plus a flag
+    cu = cu_seqlens if cu_seqlens is not None else r.new_empty(0, dtype=torch.int64)
+    h0 = initial_state if initial_state is not None else r.new_empty(0, dtype=torch.float32)
+    o, final_state = torch.ops.dplr.recurrent_fwd(r, k, v, -kk, kk * a, w, h0, cu, scale,
+                                                  initial_state is not None, bool(reverse))
+    return o, (final_state if output_final_state else None)
