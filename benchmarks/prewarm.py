@@ -3,7 +3,7 @@
 On a fresh machine the harness would otherwise compile inside its one process, kernel after
 kernel: torch_dplr's TileLang kernels, FLA's Triton kernels (every autotuning candidate of a key
 missing from the shipped autotune results) and FLA's TileLang JIT (~2 min per configuration).
-Over the whole envelope that is most of a device session.  Here:
+Over the whole envelope that adds up to tens of minutes.  Here:
 
 - torch_dplr: the kernels of every (chunk size, head dim, gate style) the cells use go to
   :func:`csrc_tl.build_all` (one compiler process per core), into ``TILELANG_CACHE_DIR``.
@@ -28,12 +28,10 @@ still tunes on the real input (benchmarking already compiled candidates, reporte
 first call).  Since those results are dropped, a worker's autotuner only launches each
 candidate once (:func:`compile_only_autotuning`) instead of timing it on the shared GPU.
 
-Measured on a fresh H200 (session 5, one job per shape then): the envelope's FLA jobs took
-about 15 minutes even in parallel (TileLang JIT ~200 s per config; D128 at chunk 16 autotunes
-391 candidates, 400+ s), and a job whose kernels were all cached still took 30-150 s (tuning
-again in its private cache).  Session 6 (40 jobs, 12 workers on one GPU, 32 CPU cores): 976 s,
-the varlen jobs the longest.  So prewarm once per machine and pass ``--no-prewarm`` to the
-calls that continue a run on the same (warm) machine.
+A TileLang JIT takes ~200 s per config and D128 at chunk 16 autotunes 391 candidates.  On a
+fresh H200 host (12 workers, 16 CPU cores) the whole envelope's prewarm takes about 300 s with
+the shipped autotune results, the varlen sets the longest (213-222 s).  So prewarm once per
+machine and pass ``--no-prewarm`` to the commands that continue a run on the same machine.
 
     python -m benchmarks.prewarm --cells 'c32' --workers 12   # what `bench` does by default
 """
@@ -75,8 +73,8 @@ def fla_kernel_set(shape: cells_mod.Shape, gates: str, chunk_size: int, state: b
 
 
 def _expected_cost(job: dict) -> tuple:
-    # Measured on the H200 (session 6): varlen jobs (their own autotune keys, 250-450 candidates
-    # each) took 300-540 s and head dim 128 at chunk 16 420-490 s; the rest 40-250 s.
+    # Measured on the H200: varlen jobs (their own autotune keys, 250-450 candidates each)
+    # take 300-540 s and head dim 128 at chunk 16 420-490 s; the rest 40-250 s.
     heavy = (job["N"] is not None) + (job["D"] == 128 and job["chunk_size"] == 16)
     return (-heavy, job["chunk_size"], not job["state"])
 
@@ -113,7 +111,9 @@ def dplr_items(selected) -> list:
     items = {}
     for C, D, bound in sorted(configs):
         for name, (factory, config) in pipeline(C, D, D, torch.bfloat16, torch.float32, bound).items():
-            items[(name, json.dumps(config, sort_keys=True, default=str))] = (factory, config)
+            # keyed by kernel, not name: an exact intra kernel is another call's intra kernel
+            items[(factory.__name__, json.dumps(config, sort_keys=True, default=str))] = (
+                factory, config)
     return list(items.values())
 
 

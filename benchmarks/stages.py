@@ -115,7 +115,7 @@ def stage_calls(cell: Cell, inp: Inputs) -> dict[str, StageCall]:
         inp.do, dht, h0, cu, C, cell.state, cell.state, tables)
     dA_ab, dA_ak, dag, _ = run("chunk_wy_bwd", dplr.chunk_wy_bwd, A_ab_inv, A_ak, ag, v, dw, du,
                                cu, C, tables)
-    run("chunk_intra_bwd", dplr.chunk_intra_bwd, q, k, a, b, gk, cu, dgl, dA_qk, dA_qb, dA_ak,
+    run("chunk_intra_bwd", dplr.chunk_intra_bwd, q, k, a, b, gk, cu, gl, dgl, dA_qk, dA_qb, dA_ak,
         dA_ab, dqg, dkg, dag, dbg, scale, C, bound, tables)
     run(FUSED, dplr.chunk_fwd_fused, q, k, v, a, b, gk, h0, cu, scale, C, bound, cell.state,
         tables)

@@ -26,14 +26,18 @@ fragment. Per chunk it does, on chip, what the three staged kernels do:
 The rounding points are the staged pipeline's: A_qk / A_qb, qg, kg, ag, bg, w and u rounded to
 the data dtype, A_ab / A_ak / gl fp32, tf32 intra products, 3-term splits in the inverse, 2-term
 splits of h and v_new. Only the summation order inside a GEMM may differ. On the H200 the final
-state came out bitwise equal to the staged kernels' at every shape of tests/test_tl_fused_fwd.py
-(session 5), and o within ``torch_dplr.testing.FUSED_VS_STAGED_TOL``.
+state came out bitwise equal to the staged kernels' at every shape of tests/test_tl_fused_fwd.py,
+and o within ``torch_dplr.testing.FUSED_VS_STAGED_TOL``.
 
 V-blocks: the chunk-local work (intra, inverse, Q, w) does not depend on V and is recomputed
 by every V-block CTA; BV = V (one CTA per (sequence, head)) is the default.
 
 Gates: centred scheme only (a declared lower bound that licenses it, see
-``csrc_tl.intra_fwd.centred_is_safe``); unbounded gates keep the staged path.
+``csrc_tl.intra_fwd.centred_is_safe``); unbounded gates keep the staged path. A chunk whose
+gates break the bound (its total decay, -gl in log2 units, past
+``intra_fwd.CENTRED_MAX_EXPONENT`` in some column) is computed anyway, possibly as inf or NaN,
+and sets ``flags[n, h] = 1`` (the caller zeroes ``flags``); ``torch_dplr/ops/fused.py`` then
+recomputes the flagged (sequence, head) pairs exactly. One compare per column and chunk.
 
 Masks: rows >= L of a chunk (L = rows left in the sequence) hold the next sequence's tokens
 (or zeros past T). The gate scan zeroes their gates; ag, kg, bg, qg are zeroed there when the
@@ -51,12 +55,13 @@ per SM hide each other's loads); no warp specialization.
 
 Signature (caller-allocated outputs, every dim but C, K, V symbolic)::
 
-    fused_fwd(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, scale, o, ht)
+    fused_fwd(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, scale, o, ht, flags)
 
 q, k, a, b [B, T, H, K] dtype; v, o [B, T, H, V] dtype; gk [B, T, H, K] gate_dtype;
 h0 [N0, H, K, V] fp32 (N0 == 0: start from zero); cu_seqlens, chunk_offsets int32 [N+1]
 (``torch_dplr.ops.varlen.kernel_tables``; rect batches come flattened); scale float;
-ht [N, H, K, V] fp32 (always written). B is 1 at call time.
+ht [N, H, K, V] fp32 (always written); flags [N, H] int32 (only ever set to 1). B is 1 at
+call time.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
@@ -66,6 +71,7 @@ import itertools
 import tilelang.language as T
 
 from .compile import canonical_dtype, kernel_options
+from .intra_fwd import CENTRED_MAX_EXPONENT
 from .tile_macros import gate_scan_from, split, split_gemms, split_of, tf32, wgmma_join
 
 __all__ = ["fused_fwd_kernel", "chain_ranges", "variants", "ref_program", "smem_estimate", "CHUNK_SIZES",
@@ -302,6 +308,7 @@ def fused_fwd_kernel(
         scale: T.float32,
         o: T.Tensor((B, Tn, H, V), dtype),
         ht: T.Tensor((N, H, K, V), _ACC),
+        flags: T.Tensor((N, H), "int32"),
     ):
         with T.Kernel(NV, H, N, threads=threads) as (i_v, i_h, i_n):
             if min_blocks:
@@ -390,6 +397,8 @@ def fused_fwd_kernel(
                 gate_scan(L, T.get_thread_binding(), G, Tot, run, vals)
                 for kk in T.Parallel(K):
                     gl_s[kk] = G[C, kk]
+                    if G[C, kk] < -CENTRED_MAX_EXPONENT:  # the declared bound does not hold
+                        flags[i_n, i_h] = 1
                 # A_qk, A_qb first: their outputs (16 KB) are smaller than what A_ab / A_ak
                 # leave for the WY stage (36 KB), so this order keeps the peak lower
                 # F1 = Qc Bc^T = A_qb, F2 = Qc Kc^T = A_qk (operands in X, Y, Z order: q, b, k)

@@ -129,6 +129,7 @@ from .compile import canonical_dtype, kernel_options
 __all__ = [
     "intra_bwd_kernel",
     "select_scheme",
+    "bounded_max_decay",
     "max_centred_exponent",
     "ref_program",
     "variants",
@@ -167,6 +168,14 @@ _CENTRED_EXPONENT_LIMIT = {"bfloat16": 100.0, "float16": 8.0}
 def max_centred_exponent(C: int, lower_bound: float) -> float:
     """Largest |exponent| of the bounded scheme's operands: ``C |lower_bound| log2(e) / 2``."""
     return C * abs(lower_bound) * _LOG2E / 2
+
+
+def bounded_max_decay(dtype) -> float:
+    """Largest total decay of a chunk, ``-gl`` in log2 units, that the bounded scheme computes
+    in range for this operand dtype (its exponents are ``|gl| / 2``).  A chunk past it breaks
+    the declared bound; ``torch_dplr/ops/gate_bound.py`` recomputes it with the exact
+    sub-block scheme."""
+    return 2 * _CENTRED_EXPONENT_LIMIT[canonical_dtype(dtype)]
 
 
 def select_scheme(C: int, dtype, lower_bound: float | None) -> bool:

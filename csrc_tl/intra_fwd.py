@@ -108,6 +108,7 @@ from .tile_macros import LOG2E, gate_scan_from, tf32
 __all__ = [
     "intra_fwd_kernel",
     "centred_is_safe",
+    "centred_max_decay",
     "scheme_for",
     "variants",
     "ref_program",
@@ -143,6 +144,14 @@ def centred_is_safe(chunk_size: int, lower_bound: float | None) -> bool:
     if lower_bound is None or not math.isfinite(lower_bound):
         return False
     return (chunk_size // 2) * abs(lower_bound) * LOG2E <= CENTRED_MAX_EXPONENT
+
+
+def centred_max_decay() -> float:
+    """Largest total decay of a chunk, ``-gl`` in log2 units, that the centred scheme computes
+    in range: its exponents are at most ``-gl``.  A chunk past it breaks the declared bound
+    (within the bound ``-gl <= C |lower_bound| log2e``); ``torch_dplr/ops/gate_bound.py``
+    recomputes it with the tiled scheme."""
+    return CENTRED_MAX_EXPONENT
 
 
 def scheme_for(chunk_size: int, lower_bound: float | None) -> str:

@@ -17,9 +17,10 @@ and varlen: the kernel always sees a list of sequences (B == 1; a rect batch
 arrives flattened as cu_seqlens = [0, T, 2T, ...], see torch_dplr/ops/varlen.py).
 Sequence n spans cu_seqlens[n] .. cu_seqlens[n+1], its chunk c is slot
 chunk_offsets[n] + c. Its last chunk's rows past the sequence end hold the
-next sequence's tokens (or, past T, load as zero: cp.async zero-fill): v is
-zeroed there in shared memory (kg^T v would see it), v_new rows there are
-zeroed in registers (A_qb v_new, bg^T v_new), and o / v_new stores are
+next sequence's tokens (or, past T, load as zero: cp.async zero-fill): v, kg
+and bg are zeroed there in shared memory (kg^T v, bg^T v_new would see them,
+and a non-finite row of the next sequence must not reach this one's state),
+v_new rows there are zeroed in registers (A_qb v_new), and o / v_new stores are
 predicated; the qg, w, u, A rows there only reach rows that are masked or never
 stored (A_qk, A_qb are lower triangular).
 
@@ -293,12 +294,18 @@ def state_fwd_kernel(
                 T.sync_threads()
 
                 # a sequence's last chunk: the rows past its end hold the next
-                # sequence's tokens; zero v there (kg^T v would see them). w, u, qg,
-                # A rows there only reach v_new / o rows that are masked or not stored.
+                # sequence's tokens; zero v, kg and bg there (kg^T v and bg^T v_new
+                # would see them: a zero row of v alone leaves 0 * NaN when the next
+                # sequence's gated rows are not finite). w, u, qg, A rows there only
+                # reach v_new / o rows that are masked or not stored.
                 if t0 + C > eos:
                     for i, j in T.Parallel(C, BV):
                         if t0 + i >= eos:
                             v_s[cur, i, j] = T.cast(0, dtype)
+                    for i, kk in T.Parallel(C, K):
+                        if t0 + i >= eos:
+                            kg_s[cur, i, kk] = T.cast(0, dtype)
+                            bg_s[cur, i, kk] = T.cast(0, dtype)
 
                 # h (chunk start) -> GEMM operand(s); keep it if asked
                 for k, j in T.Parallel(K, BV):

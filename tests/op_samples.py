@@ -63,8 +63,8 @@ def backward_samples(device="cpu"):
         rand_like = lambda x: torch.randn(x.shape, generator=gen).to(x)  # noqa: E731
         intra_out = torch.ops.dplr.chunk_intra_fwd(q, k, a, b, gk, cu_t, 0.3, C, NO_BOUND)
         gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = intra_out
-        yield "chunk_intra_bwd", (q, k, a, b, gk, cu_t, *map(rand_like, intra_out), 0.3, C,
-                                  NO_BOUND)
+        yield "chunk_intra_bwd", (q, k, a, b, gk, cu_t, gl, *map(rand_like, intra_out), 0.3,
+                                  C, NO_BOUND)
         A_inv, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu_t, C)
         yield "chunk_wy_bwd", (A_inv, A_ak, ag, v, rand_like(w), rand_like(u), cu_t, C,
                                torch.ops.dplr.chunk_tables(cu_t, B, T, C))

@@ -186,7 +186,7 @@ def _kernel_shape_samples():
                                                          cu_t, C, True, True)
         rnd = lambda x: torch.randn_like(x.float()).to(x.dtype)  # noqa: E731
         yield "chunk_intra_fwd", (q.requires_grad_(), k, a, b, gk, cu_t, 0.125, C, RWKV7_BOUND)
-        yield "chunk_intra_bwd", (q.detach(), k, a, b, gk, cu_t, *map(rnd, fwd), 0.125, C,
+        yield "chunk_intra_bwd", (q.detach(), k, a, b, gk, cu_t, gl, *map(rnd, fwd), 0.125, C,
                                   RWKV7_BOUND)
         yield "chunk_wy_fwd", (A_ab, A_ak, ag.requires_grad_(), v, cu_t, C)
         yield "chunk_wy_bwd", (A_inv, A_ak, ag.detach(), v, rnd(w), rnd(u), cu_t, C)

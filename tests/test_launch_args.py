@@ -85,7 +85,10 @@ def test_every_launch_binds_to_its_kernel(launches, C, K, dtype, gate_dtype, gat
         C, K, K, dtype, gate_dtype, float("-inf") if bound is None else bound))
     want = {"intra_fwd", "wy_fwd", "state_fwd", "intra_bwd", "wy_bwd",
             *(("state_bwd_dh", "state_bwd_grads") if split else ("state_bwd",)),
-            *(("fused_fwd",) if fused_applies else ())}
+            *(("fused_fwd",) if fused_applies else ()),
+            *(op for op in ("intra_fwd_exact", "intra_bwd_exact")
+              if op in kernels.pipeline(C, K, K, dtype, gate_dtype,
+                                        float("-inf") if bound is None else bound))}
     assert set(launched) == want
 
 

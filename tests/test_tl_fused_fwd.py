@@ -62,8 +62,9 @@ def run_fused(inp, use_h0, scale, **config):
     ht = torch.full((N, H, K, V), float("nan"), device=v.device)
     tables = kernel_tables(cu, B, T, C, v.device)
     h0 = inp["initial_state"].contiguous() if use_h0 else ht.new_empty(0, H, K, V)
+    flags = torch.zeros(N, H, dtype=torch.int32, device=v.device)
     args = (*map(flat, (inp["q"], inp["k"], inp["v"], inp["a"], inp["b"], gk)), h0,
-            tables.cu_seqlens, tables.chunk_offsets, float(scale), flat(o), ht)
+            tables.cu_seqlens, tables.chunk_offsets, float(scale), flat(o), ht, flags)
     kernel(*args)
     torch.cuda.synchronize()
     return o, ht, (kernel, args)

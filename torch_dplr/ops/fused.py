@@ -23,6 +23,7 @@ from .kernels import kernel_for, pipeline
 from .shapes import allocate, fused_fwd_shapes, num_sequences
 from .state import chunk_state_fwd_cuda, chunk_state_fwd_reference
 from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply, sm_count
+from .triton_path import per_token_kernel_applies
 from .varlen import as_one_sequence_list as flat
 from .varlen import tables_for
 from .wy import chunk_wy_fwd_cuda, chunk_wy_fwd_reference
@@ -35,7 +36,9 @@ def fused_kernel_applies(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, c
     The kernel is built for C = 64, K = V = 64, bf16/fp16 data with fp32 or data-dtype gates,
     and the centred gate scheme only (a declared lower bound that keeps its exponents in
     range, the check ``chunk_intra_fwd`` makes): where ``kernels.pipeline`` lists
-    ``"fused_fwd"`` for the call's configuration.  It walks each sequence's chunks serially,
+    ``"fused_fwd"`` for the call's configuration, and where the per-token Triton kernel can
+    recompute the (sequence, head) pairs whose gates break the bound
+    (:mod:`torch_dplr.ops.gate_bound`).  It walks each sequence's chunks serially,
     one CTA per (sequence, head), with no split over time: it pays only when those pairs fill
     the GPU.  With fewer pairs than SMs (a small batch, a few long sequences) most SMs would
     idle through the serial walk, while the staged intra / WY kernels run every chunk in
@@ -43,7 +46,9 @@ def fused_kernel_applies(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor, c
     """
     H, K, V = q.shape[2], q.shape[-1], v.shape[-1]
     num_seqs = num_sequences(q, cu_seqlens)
-    if not (num_seqs <= MAX_GRID_YZ and kernels_apply(q, chunk_size, K, V)):
+    # the per-token kernel recomputes the pairs whose gates break the bound
+    if not (num_seqs <= MAX_GRID_YZ and kernels_apply(q, chunk_size, K, V)
+            and per_token_kernel_applies(q, v, gk, num_seqs)):
         return False
     # TileLang is importable from here on (kernels_apply checked it)
     return ("fused_fwd" in pipeline(chunk_size, K, V, q.dtype, gk.dtype, lower_bound)
@@ -106,9 +111,17 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bou
     o, ht = allocate(fused_fwd_shapes(q, v, cu_seqlens), q.device)
     tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
     # h0 with no rows tells the kernel to start from zero
-    h0 = initial_state.float() if use_initial_state else ht.new_empty(0, H, K, V)
-    kernel(*map(flat, (q, k, v, a, b, gk)), h0.contiguous(), tables.cu_seqlens,
-           tables.chunk_offsets, float(scale), flat(o), ht)
+    h0 = (initial_state.float() if use_initial_state else ht.new_empty(0, H, K, V)).contiguous()
+    tokens = tuple(map(flat, (q, k, v, a, b, gk)))
+    breaking = torch.zeros(ht.shape[:2], dtype=torch.int32, device=q.device)
+    kernel(*tokens, h0, tables.cu_seqlens, tables.chunk_offsets, float(scale), flat(o), ht,
+           breaking)
+    # the (sequence, head) pairs with a chunk that broke the bound, recomputed exactly
+    # token by token (ops/gate_bound.py)
+    from csrc_triton import recurrent as per_token
+    per_token.launch(*tokens, h0 if use_initial_state else ht, tables.cu_seqlens,
+                     tables.cu_seqlens, flat(o), ht, float(scale), use_initial_state, False,
+                     False, flags=breaking)
     return o, ht
 
 

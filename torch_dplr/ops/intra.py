@@ -3,7 +3,9 @@
 Outputs of the forward (see DESIGN.md §1): ``gl`` (per chunk slot, log2 units), ``A_qk``,
 ``A_qb``, ``A_ak``, ``A_ab`` (``[B, T, H, C]``: row = token, column = position in its chunk),
 ``qg``, ``kg``, ``ag``, ``bg``.  ``lower_bound`` (``-inf`` when undeclared) only lets a GPU
-kernel pick a faster exact scheme; the PyTorch kernel is exact for any gate.
+kernel pick a faster scheme, whose chunks that break the bound are recomputed exactly
+(:mod:`torch_dplr.ops.gate_bound`; the backward reads the forward's ``gl`` for that and the
+PyTorch kernel ignores it); the PyTorch kernel is exact for any gate.
 """
 
 from typing import Optional
@@ -14,7 +16,8 @@ import torch
 from ..reference import intra as ref
 from .chunked import ChunkedView, without_autocast
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
-from .kernels import kernel_for
+from .gate_bound import breaking_slots, only_slots
+from .kernels import kernel_for, pipeline
 from .tilelang_path import kernels_apply
 from .varlen import as_one_sequence_list as flat
 from .varlen import tables_for
@@ -50,25 +53,46 @@ def _(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
     return allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
 
 
+def _kernels(op: str, q: Tensor, gk: Tensor, chunk_size: int, lower_bound: float):
+    """(kernel, exact kernel) of an intra op's call: the exact one only where the declared
+    bound selects a faster scheme (it recomputes the chunks that break the bound,
+    :mod:`torch_dplr.ops.gate_bound`).  None for the kernel: the PyTorch kernel runs, also
+    when the exact kernel it would need cannot be built."""
+    if not _intra_kernel_applies(q, gk, chunk_size):
+        return None, None
+    K = q.shape[-1]
+    config = (chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
+    kernel = kernel_for(op, *config)
+    if f"{op}_exact" not in pipeline(*config):
+        return kernel, None
+    exact = kernel_for(f"{op}_exact", *config)
+    return (kernel, exact) if exact is not None else (None, None)
+
+
 @chunk_intra_fwd.register_kernel("cuda")
 @without_autocast
 def chunk_intra_fwd_cuda(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
     B, T, _, K = q.shape
-    kernel = (kernel_for("intra_fwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
-              if _intra_kernel_applies(q, gk, chunk_size) else None)
+    kernel, exact = _kernels("intra_fwd", q, gk, chunk_size, lower_bound)
     if kernel is None:
         return chunk_intra_fwd_reference(q, k, a, b, gk, cu_seqlens, scale, chunk_size,
                                          lower_bound)
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
     tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
-    kernel(*map(flat, (q, k, a, b, gk)), tables.chunk_start, tables.chunk_len, float(scale),
-           *map(flat, outs))
+    inputs = tuple(map(flat, (q, k, a, b, gk)))
+    kernel(*inputs, tables.chunk_start, tables.chunk_len, float(scale), *map(flat, outs))
+    if exact is not None:
+        from csrc_tl.intra_fwd import centred_max_decay
+        redo = only_slots(tables, breaking_slots(outs[0], centred_max_decay()))
+        # gl is the same gate sum in both schemes: the exact kernel's copy is dropped
+        exact(*inputs, redo.chunk_start, redo.chunk_len, float(scale),
+              torch.empty_like(flat(outs[0])), *map(flat, outs[1:]))
     return outs
 
 
 @without_autocast
 def chunk_intra_bwd_reference(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gk: Tensor, cu_seqlens: Tensor,
-                              dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
+                              gl: Tensor, dgl: Tensor, dA_qk: Tensor, dA_qb: Tensor, dA_ak: Tensor, dA_ab: Tensor,
                               dqg: Tensor, dkg: Tensor, dag: Tensor, dbg: Tensor,
                               scale: float, chunk_size: int, lower_bound: float,
                               tables: Optional[Tensor] = None
@@ -93,36 +117,40 @@ def _(q, k, a, b, gk, cu_seqlens, *rest):
 
 @chunk_intra_bwd.register_kernel("cuda")
 @without_autocast
-def _(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
-      chunk_size, lower_bound, tables=None):
+def _(q, k, a, b, gk, cu_seqlens, gl, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,
+      scale, chunk_size, lower_bound, tables=None):
     grads = (dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg)
     B, T, _, K = q.shape
-    kernel = (kernel_for("intra_bwd", chunk_size, K, K, q.dtype, gk.dtype, lower_bound)
-              if _intra_kernel_applies(q, gk, chunk_size) else None)
+    kernel, exact = _kernels("intra_bwd", q, gk, chunk_size, lower_bound)
     if kernel is None:
-        return chunk_intra_bwd_reference(q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size,
-                                         lower_bound)
+        return chunk_intra_bwd_reference(q, k, a, b, gk, cu_seqlens, gl, *grads, scale,
+                                         chunk_size, lower_bound)
     outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
     tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
-    kernel(*map(flat, (q, k, a, b, gk, *grads)), tables.chunk_start, tables.chunk_len,
-           float(scale), *map(flat, outs))
+    inputs = tuple(map(flat, (q, k, a, b, gk, *grads)))
+    kernel(*inputs, tables.chunk_start, tables.chunk_len, float(scale), *map(flat, outs))
+    if exact is not None:
+        from csrc_tl.intra_bwd import bounded_max_decay
+        redo = only_slots(tables, breaking_slots(gl, bounded_max_decay(q.dtype)))
+        exact(*inputs, redo.chunk_start, redo.chunk_len, float(scale), *map(flat, outs))
     return outs
 
 
 def _setup_context(ctx, inputs, output):
     q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables = inputs
-    ctx.save_for_backward(q, k, a, b, gk, cu_seqlens, tables)
+    # gl (one row per chunk slot) tells the backward's GPU kernel which chunks broke the bound
+    ctx.save_for_backward(q, k, a, b, gk, cu_seqlens, tables, output[0])
     ctx.config = (scale, chunk_size, lower_bound)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, *grads):
-    q, k, a, b, gk, cu_seqlens, tables = ctx.saved_tensors
+    q, k, a, b, gk, cu_seqlens, tables, gl = ctx.saved_tensors
     scale, chunk_size, lower_bound = ctx.config
     specs = intra_fwd_shapes(q, gk, cu_seqlens, chunk_size)
     grads = zeros_for_missing(grads, specs, q.device)
     dq, dk, da, db, dgk = torch.ops.dplr.chunk_intra_bwd(
-        q, k, a, b, gk, cu_seqlens, *grads, scale, chunk_size, lower_bound, tables)
+        q, k, a, b, gk, cu_seqlens, gl, *grads, scale, chunk_size, lower_bound, tables)
     return dq, dk, da, db, dgk, None, None, None, None, None
 
 

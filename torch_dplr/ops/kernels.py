@@ -67,8 +67,9 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
              lower_bound: float) -> dict[str, tuple]:
     """``{kernel name: (factory, config)}`` for the six stage kernels of one configuration
     (named after their ops), the small-grid state backward's ``"state_bwd_dh"`` and
-    ``"state_bwd_grads"``, and ``"fused_fwd"`` where it is built (the gate dtype must then be
-    fp32 or ``dtype``)."""
+    ``"state_bwd_grads"``, ``"intra_fwd_exact"`` / ``"intra_bwd_exact"`` where the declared
+    bound selects a faster intra scheme (the exact one recomputes the chunks that break it),
+    and ``"fused_fwd"`` where it is built (the gate dtype must then be fp32 or ``dtype``)."""
     intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd, state_bwd_split = map(
         _family, ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd",
                   "state_bwd_split"))
@@ -90,6 +91,13 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
         "state_bwd_grads": (state_bwd_split.state_bwd_split_kernel,
                             dict(C=C, K=K, V=V, dtype=dt, stage="grads")),
     }
+    # the exact schemes, for the chunks whose gates break the bound (ops/gate_bound.py)
+    if kernels["intra_fwd"][1]["scheme"] != "tiled":
+        kernels["intra_fwd_exact"] = (intra_fwd.intra_fwd_kernel,
+                                      dict(kernels["intra_fwd"][1], scheme="tiled"))
+    if kernels["intra_bwd"][1]["bounded"]:
+        kernels["intra_bwd_exact"] = (intra_bwd.intra_bwd_kernel,
+                                      dict(kernels["intra_bwd"][1], bounded=False))
     if _fused_fwd_built(C, K, V, dtype, lower_bound) and gdt in ("float32", dt):
         kernels["fused_fwd"] = (_family("fused_fwd").fused_fwd_kernel,
                                 dict(C=C, K=K, V=V, dtype=dt, gate_dtype=gdt))
@@ -104,14 +112,14 @@ def _progress(line: str) -> None:
 # The small-grid state backward compiles in a background thread once a call has its stage
 # kernels: few calls run it, but which do depends on the batch size and layout, and a new size
 # must compile nothing; compiled with the stage kernels it made the cold first call 31.7 s
-# against 28.4 s (H200, session 8).  Kernels compiled when a call first needs them rather than
+# against 28.4 s on the H200.  Kernels compiled when a call first needs them rather than
 # with the stage kernels (ON_DEMAND): the fused no-grad forward (training never runs it), and
 # the small-grid state backward when its background compile has not run or not finished.
 BACKGROUND = ("state_bwd_dh", "state_bwd_grads")
 ON_DEMAND = (("fused_fwd",), BACKGROUND)
 # The kernels that depend on the gates (dtype, bound).  The other ops name the default gates
 # when they ask for a kernel (they don't see the gates), so they must never bring these along.
-GATE_KERNELS = ("intra_fwd", "intra_bwd")
+GATE_KERNELS = ("intra_fwd", "intra_bwd", "intra_fwd_exact", "intra_bwd_exact")
 
 
 def _group_id(kernels: dict, ops) -> tuple:
