@@ -88,8 +88,8 @@ class Timer:
     def measure(self, fn: Callable) -> Measurement:
         first_s = self._wall(fn)
         # the rep count comes from a steady call, never from the first one, which may compile
-        # or autotune (FLA's first calls took 20-160 s in session 9's run; counting reps from
-        # them left 13 FLA cells with one rep, timed right after tuning)
+        # or autotune (FLA's first calls can take 20-160 s; counting reps from them would leave
+        # a cell with one rep, timed right after tuning)
         last_s = self._wall(fn) if self.warmup else first_s
         for _ in range(self.warmup - 1):
             if last_s > self.cap_s:

@@ -24,12 +24,12 @@ dbg, dw, dA_qk, dA_qb, dgl) or needs nothing carried. So the op runs
 
 When to use it: ``csrc_tl/state_bwd.py`` does the same op in one kernel, one CTA per
 (sequence, head) with dh never in HBM. Where those pairs fill the GPU that kernel wins: at
-the design shape B8 H32 (256 pairs) it took 1.40 ms on the H200 against 1.51 ms for this
-split (session 4), which moves 134 MB (du read back) + 2 x 268 MB (fp32 dh out and in) more.
+the design shape B8 H32 (256 pairs) it takes 1.38 ms on the H200 against 1.52 ms for this
+split (``tools/ab_state_bwd.py``), which moves 134 MB (du read back) + 2 x 268 MB (fp32 dh out and in) more.
 With a small fraction of the SMs' worth of pairs (B2 H8: 16 pairs; one long sequence: 32) the
 single kernel's serial walk leaves most SMs idle; here the serial scan gets V/BV times the
-CTAs and ~2/3 of the traffic runs in a fully parallel kernel (session 7 on the H200: 0.29 vs
-0.62 ms at 16 pairs, 3.7 vs 9.2 ms at 32; at 128 pairs, D128, the single kernel still won). ``torch_dplr/ops/state.py`` picks between them.
+CTAs and ~2/3 of the traffic runs in a fully parallel kernel (on the H200, chunk 64: 0.29 vs
+0.62 ms at 16 pairs, 3.67 vs 9.20 ms at 32; at 128 pairs, D128, the single kernel wins). ``torch_dplr/ops/state.py`` picks between them.
 
 Numerics: the same as the single kernel. dh crosses HBM in fp32, so dgl = ln2·2^gl·rowsum(h
 ⊙ dh) is still computed from fp32 h and fp32 dh; the GEMM operands h, dh, dvn are rounded to

@@ -1,8 +1,8 @@
 """Host cost of how a rect call gets its chunk tables, A/B in one process on a CUDA host.
 
 ``torch_dplr.ops.varlen`` copies a rect call's packed tables from a pinned host copy (one
-asynchronous copy); before session 10 it computed them on the device in a dozen tiny launches
-(``_rect_packed_closed_form``, which CUDA-graph capture still uses).  This script times eager
+asynchronous copy); the alternative computes them on the device in a dozen tiny launches
+(``_rect_packed_closed_form``, which CUDA-graph capture uses).  This script times eager
 steps of the public function with each, in alternating blocks (so drift on the host falls on
 both), and prints the median wall microseconds per step (synchronized every block of 30): the
 no-grad forward, forward+backward, and forward+backward under the ``save_state`` policy.

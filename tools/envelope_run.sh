@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The whole benchmark envelope (issue 4) on a GPU host, over several device calls of one warm
-# machine: each call runs `bash tools/envelope_run.sh` from the checkout root (carry [".gpu"],
+# The whole benchmark envelope (issue 4) on a GPU host, over several invocations on one host:
+# each call runs `bash tools/envelope_run.sh` from the checkout root (with the .gpu/ bundle,
 # see pack_gpu_bundle.sh) and picks up where the last call stopped.  Apart from the first step
 # (about 100 s, inside the first call) the work runs detached (setsid) and outlives a call, so
-# the device's 10-minute limit per call cuts none of it; issue the next call at once (a machine
-# idle for 30 s goes back, and /tmp with it).
+# a time limit per command on the host cuts none of it; run the next call soon (the state
+# lives in /tmp, which a host that is released loses).
 #   1. first_call alone (cold then warm cache; nothing else runs on the host meanwhile)
 #   1b. ALONE="cmd": cmd right after, still alone on the host (e.g. an A/B timing that CPU load
 #      from the prewarm's compile workers would disturb), logged as alone.log
 #   1c. with TESTS: every TileLang kernel variant compiled (python -m torch_dplr precompile),
 #      still alone: seconds with a carried kernel cache that holds all of them (see
-#      pack_gpu_bundle.sh), a few minutes without.  In session 10 the tests compiled the
-#      variants the carried cache lacked beside the prewarm's FLA compile jobs and reached 42%
-#      of their files in 900 s
+#      pack_gpu_bundle.sh), a few minutes without.  Tests that compile the variants a carried
+#      cache lacks beside the prewarm's FLA compile jobs are slow (42% of their files in
+#      900 s)
 #   2. in the background: the prewarm (benchmarks.prewarm: FLA's kernels and autotuning
 #      candidates, spread over every GPU) and, with TESTS="files", pytest on the last GPU;
 #      CHECKS="cmd" runs cmd there after the tests (e.g. compute-sanitizer), logged as tests.log;

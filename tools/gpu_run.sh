@@ -7,11 +7,11 @@
 #   SELFCHECK=<s>       python -m torch_dplr --json
 #   EXTRA="<cmd>"       any further command (EXTRA_TIMEOUT s, default 300), logged as extra.log
 #   BENCH="<args>"      python -m torch_dplr bench <args> (results under $OUT/bench)
-#     DEADLINE_S=<s>    cut the bench at this many seconds after the script started (the
-#                       device caps a call at 600 s; a cut run keeps every finished cell)
+#     DEADLINE_S=<s>    cut the bench at this many seconds after the script started (for a
+#                       host that limits a command's time; a cut run keeps every finished cell)
 #     BENCH_OUT=<dir>   write them there instead and copy them to $OUT/bench after: a folder
-#                       outside the checkout (e.g. /tmp/bench) survives between the calls of a
-#                       warm machine, so `--resume` continues a run split over several calls
+#                       outside the checkout (e.g. /tmp/bench) survives between invocations on
+#                       the same host, so `--resume` continues a run split over several
 #   PROFILE="<args>"    tools/profile_pipeline.py <args>: per-kernel device time ($OUT/profile.*)
 #   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time (without
 #                       TileLang's compile-time cuda-binaries folder: loading reads kernels/ only)

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Packs what a GPU run needs into the ignored folder .gpu/ (under the device tool's 64 MiB
-# carry limit): the site bundle from ../shared/device/make-bundle.sh (TileLang, FLA 0.6.0) and
+# Packs what a GPU run needs into the ignored folder .gpu/ (kept small, under 64 MiB, to copy
+# to the GPU host with the checkout): the site bundle from ../shared/device/make-bundle.sh (TileLang, FLA 0.6.0) and
 # FLA's Triton autotune cache. Kernels are compiled on the GPU host itself (16 cores, ~2 min
 # for every variant: `python -m torch_dplr precompile`); a kernel cache brought back from an
 # earlier run ($OUT/tlcache.tar.xz, see gpu_run.sh) is carried too when KERNEL_CACHE names it,
 # and FLA's tuning and TileLang kernels from one ($OUT/fla_cache.tar.xz) when FLA_CACHE does.
 # A kernel cache built on this CPU machine (nvcc, no GPU): every variant, which the GPU tests
-# need (172 kernels; the envelope's 57 took 344 s on 2 cores, session 10):
+# need (172 kernels; the envelope's 57 take about 344 s on 2 cores):
 #   TILELANG_CACHE_DIR=/tmp/tlc_all python -m torch_dplr precompile
 # or only what the benchmark envelope runs:
 #   TILELANG_CACHE_DIR=/tmp/tlc_env python -m benchmarks.prewarm --no-fla
 # then, without TileLang's cuda-binaries (they only serve compiles):
 #   tar -C /tmp/tlc_all --exclude='./*/cuda-binaries' -cf - . | xz -6 > /tmp/tlc_all.tar.xz
 #   (KERNEL_CACHE=/tmp/tlc_all.tar.xz; the envelope's 57 kernels pack into 2.0 MB)
-# Then: device run, carry [".gpu"], `GPU_TESTS="tests/test_cuda.py" bash tools/gpu_run.sh`, or the
-# whole benchmark envelope over several calls of a warm machine: `bash tools/envelope_run.sh`.
+# Then, on the GPU host with .gpu/ beside the checkout: `GPU_TESTS="tests/test_cuda.py" bash
+# tools/gpu_run.sh`, or the whole benchmark envelope over several invocations:
+# `bash tools/envelope_run.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .devsite/site.tar.xz ] || ../shared/device/make-bundle.sh
@@ -29,7 +30,7 @@ cp .devsite/fla_triton_autotune_h200.tar.xz .gpu.new/
 if [ -n "${KERNEL_CACHE:-}" ]; then cp "$KERNEL_CACHE" .gpu.new/tlcache.tar.xz; fi
 # FLA's tuning from an earlier envelope (fla_cache.tar.xz in its envelope.tgz), kept in the
 # repository so that a fresh checkout has it: the harness then tunes none of the keys it holds
-# (FLA's first calls: 1595 s of tuning over the envelope in session 9), and the prewarm
+# (without it FLA's first calls spend about 1600 s tuning over the envelope), and the prewarm
 # compiles only their chosen configurations
 FLA_CACHE=${FLA_CACHE-benchmarks/results/h200-fla-autotune.tar.xz}
 if [ -f "$FLA_CACHE" ]; then cp "$FLA_CACHE" .gpu.new/fla_cache.tar.xz; fi  # gpu_run.sh SAVE_FLA_CACHE

@@ -4,8 +4,8 @@ Runs ``chunk_dplr_delta_rule`` forward+backward (initial and final state) on the
 where every op allocates only its outputs, as the GPU kernels do, and tracks the bytes of every
 tensor an op creates until it is freed.  Prints the peak above the inputs and cotangents (what
 the benchmark's ``*_peak_mb`` counts), the op it happens in, and the tensors alive there.
-Without checkpointing it reproduced the H200's measured peaks of the design shape within 1 MB
-(session 9: 3129 / 2844 / 3104 MB at chunk 16 / 32 / 64); under a checkpoint policy it reads
+Without checkpointing it reproduces the H200's measured peaks of the design shape within 1 MB
+(3129 / 2844 / 3104 MB at chunk 16 / 32 / 64); under a checkpoint policy it reads
 lower than the GPU does, so it takes no policy.
 Usage: python tools/peak_model.py [--B 8 --T 4096 --H 32 --D 64 --chunk 16]
 """

@@ -80,12 +80,12 @@ def _rect_packed_on_host(B: int, T: int, chunk_size: int, pinned: bool) -> torch
 def _rect_packed(B: int, T: int, chunk_size: int, device: torch.device) -> torch.Tensor:
     # On CUDA one asynchronous copy from a pinned host copy (no host sync) instead of a dozen
     # launches: dplr::chunk_tables takes 31-34 us of host time a call on the H200's host, against
-    # 112-207 us (tools/host_probe.py, sessions 10 and 9), which small grids do not hide.  Not
+    # 112-207 us for the launches (tools/host_probe.py), which small grids do not hide.  Not
     # while a CUDA graph is captured: the graph would read the host buffer at every replay, and
     # an evicted one is freed; the closed form runs there, inside the graph.  No device tensor
     # is kept across calls (a kept one could sit in a CUDA-graph pool: torch.compile's
-    # reduce-overhead mode allocates from it while warming up too; a cache of that kind failed
-    # test_cuda_graphs_reduce_overhead, session 9).
+    # reduce-overhead mode allocates from it while warming up too; a cache of that kind fails
+    # test_cuda_graphs_reduce_overhead).
     if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         return _rect_packed_on_host(B, T, chunk_size, True).to(device, non_blocking=True)
     if device.type == "cpu":
