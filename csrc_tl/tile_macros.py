@@ -4,6 +4,14 @@ import tilelang.language as T
 LOG2E = 1.4426950408889634
 
 
+def end_cta():
+    """A CUDA ``return`` for every thread of the CTA: call it only under a condition that is
+    uniform over the CTA and before any barrier (the threads that stay would wait for the
+    ones that left)."""
+    from tvm.tirx import op  # TileLang's TVM, importable once tilelang is
+    T.evaluate(op.thread_return())
+
+
 def tf32(x):
     """Round an fp32 value to tf32 (10 explicit mantissa bits, nearest, ties away from 0)."""
     bits = T.reinterpret(x, "uint32")
