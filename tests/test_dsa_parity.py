@@ -54,6 +54,17 @@ def test_parity_larger(dtype):
         assert errors["indices"] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_parity_deepseek_dims(dtype):
+    """DeepSeek-V3.2's absorbed MLA sizes: D_qk = 576 (512 latent + 64 rope), D_v = 512."""
+    errors = parity_errors(48, H=2, D_qk=576, d_v=512, H_idx=2, D_idx=32, topk=20,
+                           cu_seqlens=[0, 30, 48], dtype=dtype, seed=5)
+    assert_within(errors, dtype)
+    if dtype == torch.float64:
+        assert errors["indices"] == 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16],
                          ids=lambda d: str(d).removeprefix("torch."))
