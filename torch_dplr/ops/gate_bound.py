@@ -40,5 +40,4 @@ def breaking_slots(gl: Tensor, max_decay: float) -> Tensor:
 
 def only_slots(tables: KernelTables, slots: Tensor) -> KernelTables:
     """``tables`` with every slot but ``slots`` emptied (length 0)."""
-    lengths = torch.where(slots, tables.chunk_len, torch.zeros_like(tables.chunk_len))
-    return tables._replace(chunk_len=lengths)
+    return tables._replace(chunk_len=torch.where(slots, tables.chunk_len, 0))
