@@ -3,15 +3,18 @@
 For every cell of :mod:`benchmarks.cells` it times, in this one process and on the same inputs,
 torch_dplr and FLA's ``chunk_rwkv7`` / ``chunk_dplr_delta_rule`` on its Triton route
 (``FLA_TILELANG=0``) and its TileLang route (``FLA_TILELANG=1``; see :mod:`benchmarks.fla_routes`),
-and appends one JSON object per cell to ``OUT/<device>.json`` as soon as it is measured.  Then it
-measures the first call in fresh processes (:mod:`benchmarks.first_call`) and writes
-``OUT/<device>.md`` and ``OUT/<device>.png`` (:mod:`benchmarks.report`).  With ``--stages``
+and, where ``$TORCH_DPLR_WIND_RWKV`` names its source, wind_rwkv's ``chunked_cuda`` kernel
+(:mod:`benchmarks.wind_route`; built for one head dim per process, so ``--head-dim`` runs the
+D128 cells in a second process), and appends one JSON object per cell to ``OUT/<device>.json``
+as soon as it is measured.  Then it measures the first call in fresh processes
+(:mod:`benchmarks.first_call`) and writes ``OUT/<device>.md`` and ``OUT/<device>.png``
+(:mod:`benchmarks.report`).  With ``--stages``
 (the default with ``--quick``) it also times torch_dplr's stage ops one by one per (shape, chunk
 size, gate style, state) and records where the time goes (:mod:`benchmarks.stages`).
 
 A failure in one implementation leaves its columns null with a ``*_error`` field and the run
 goes on.  Without a GPU it runs every shape shrunk to a tiny size (a smoke test: the times mean
-nothing), and FLA, which needs CUDA, is reported as not run.
+nothing), and FLA and wind_rwkv, which need CUDA, are reported as not run.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 import torch_dplr
 from torch_dplr import policies
 
-from . import calls, cells, inputs, prewarm, report, stages
+from . import calls, cells, inputs, prewarm, report, stages, wind_route
 from .fla_routes import FLA, ROUTES
 from .timing import Timer
 
@@ -44,7 +47,7 @@ AUTOTUNE_CANDIDATES = (REPO / ".devsite" / "fla_triton_autotune_h200.tar.xz",
                        REPO.parent / "shared" / "bench" / "fla_triton_autotune_h200.tar.xz")
 # Every record carries these keys, null when not measured.
 REQUIRED = ("torch_dplr_ms", "fla_triton_ms", "fla_tilelang_ms", "ratio", "torch_dplr_peak_mb",
-            "fla_peak_mb", "fla_tilelang_fallback")
+            "fla_peak_mb", "fla_tilelang_fallback", "wind_ms", "wind_peak_mb", "ratio_wind")
 DEFAULT_MODES = (*cells.MODES, cells.FIRST_CALL)
 
 
@@ -75,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time cap of the reps of one implementation in one cell (default %(default)s)")
     p.add_argument("--no-flush", action="store_true", help="do not flush the L2 between reps")
     p.add_argument("--no-fla", action="store_true", help="time torch_dplr only")
+    p.add_argument("--no-wind", action="store_true", help="leave wind_rwkv out")
+    p.add_argument("--head-dim", type=int, help="only the cells of this head dim (wind_rwkv's "
+                   "kernel is built for one per process: D128 cells run in a second process)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     p.add_argument("--tiny", action="store_true", help="shrink every shape (implied on the CPU)")
     p.add_argument("--resume", action="store_true",
@@ -268,11 +274,18 @@ def _rms_ratio(ours, theirs) -> float:
     return round((diff / theirs.float().pow(2).mean().sqrt().clamp_min(1e-30)).item(), 6)
 
 
+def torch_dplr_outputs(cell, inp):
+    """torch_dplr's no-grad ``(o, final_state)`` for the cell."""
+    entry = calls.ENTRY[cell.gates]
+    call = calls.caller(inp, calls.call_kwargs(cell, inp), grad=False)
+    return call(calls.in_dplr_order(entry, getattr(torch_dplr, entry)))
+
+
 def output_diffs(cell, inp, fla, routes) -> dict:
     """RMS(torch_dplr - FLA) / RMS(FLA) of o and the final state, per FLA route timed."""
     entry = calls.ENTRY[cell.gates]
     call = calls.caller(inp, calls.call_kwargs(cell, inp), grad=False)
-    o, ht = call(calls.in_dplr_order(entry, getattr(torch_dplr, entry)))
+    o, ht = torch_dplr_outputs(cell, inp)
     out = {}
     for route in routes:
         with fla.route(route):
@@ -292,6 +305,7 @@ def summarize(record: dict) -> dict:
     record["fla_best_route"] = best
     record["fla_peak_mb"] = record.get(f"fla_{best}_peak_mb") if best else None
     record["ratio"] = round(times[best] / ours, 3) if best and ours else None
+    record["ratio_wind"] = wind_route.ratio(record)
     return record
 
 
@@ -305,7 +319,7 @@ def _guarded(record: dict, prefix: str, measure) -> None:
             torch.cuda.empty_cache()
 
 
-def measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta) -> dict:
+def measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta, wind=None, wind_absent=None) -> dict:
     tensors = leaves if cell.mode == "fwd_bwd" else inp
     record = {**cell.fields(), **dict.fromkeys(REQUIRED), **meta,
               "fla_setting": "disable_recompute=True" if fla_kwargs(cell, tensors)["disable_recompute"]
@@ -320,6 +334,12 @@ def measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta) -> dict:
     timed = [r for r in ROUTES if record.get(f"fla_{r}_ms") is not None]
     if cell.mode == "fwd" and fla is not None and timed and record.get("torch_dplr_ms") is not None:
         _guarded(record, "diff", lambda: output_diffs(cell, inp, fla, timed))
+    if wind is None:
+        record.update(wind_absent or {"wind_skipped": "not loaded"})
+    else:
+        ours = (lambda: torch_dplr_outputs(cell, inp)) if record.get("torch_dplr_ms") is not None else None
+        scale = calls.call_kwargs(cell, tensors)["scale"]
+        _guarded(record, "wind", lambda: wind_route.measure(cell, inp, tensors, timer, wind, scale, ours))
     return summarize(record)
 
 
@@ -330,10 +350,11 @@ def _progress(record) -> str:
     def ms(key):
         return "  -   " if record.get(key) is None else f"{record[key]:7.3f}"
     tl = "  fallback" if record.get("fla_tilelang_fallback") else ms("fla_tilelang_ms")
+    wind = "   refused" if record.get("wind_refusal") else ms("wind_ms")
     ratio = "   -  " if record.get("ratio") is None else f"{record['ratio']:5.2f}x"
     errors = " ".join(k for k in record if k.endswith("_error"))
     return (f"{record['cell']:<52} dplr {ms('torch_dplr_ms')}  triton {ms('fla_triton_ms')}  "
-            f"tilelang {tl}  ratio {ratio}  {errors}")
+            f"tilelang {tl}  wind {wind}  ratio {ratio}  {errors}")
 
 
 def first_call_cell_id(shape) -> str:
@@ -423,7 +444,7 @@ def _pick_device(name) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def run_cells(selected, args, device, fla, fla_absent, meta, sink, skip) -> None:
+def run_cells(selected, args, device, fla, fla_absent, meta, sink, skip, wind=None, wind_absent=None) -> None:
     cuda = device.type == "cuda"
     timer = Timer(device, reps=args.reps or (20 if cuda else 3),
                   warmup=(3 if cuda else 0) if args.warmup is None else args.warmup,
@@ -444,7 +465,7 @@ def run_cells(selected, args, device, fla, fla_absent, meta, sink, skip) -> None
                 for record in stages.measure(cell, inp, timer, meta):
                     sink(record)
             else:
-                sink(measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta))
+                sink(measure_cell(cell, inp, leaves, timer, fla, fla_absent, meta, wind, wind_absent))
         del inp, leaves
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -456,11 +477,14 @@ def main(argv=None) -> int:
     shrink = args.tiny or device.type != "cuda"
     selected = cells.select(cells.envelope(args.policies, args.quick, shrink, stages=True),
                             args.cells, args.modes)
+    if args.head_dim is not None:
+        selected = [c for c in selected if c.shape.D == args.head_dim]
     if args.shard is not None:
         selected = cells.shard(selected, *args.shard)
     first_shape = cells.first_call_shape(shrink)
     first_call = cells.FIRST_CALL in args.modes and (
-        not args.cells or re.search(args.cells, first_call_cell_id(first_shape)))
+        not args.cells or re.search(args.cells, first_call_cell_id(first_shape))) and (
+        args.head_dim in (None, first_shape.D))
     if first_call and args.shard is not None:  # its cold compile wants the host to itself
         print("--shard: the first_call cell is left out (run it alone: --modes first_call)",
               file=sys.stderr)
@@ -481,6 +505,10 @@ def main(argv=None) -> int:
     path = args.out / f"{args.name or device_stem(device)}.json"
     skip = (done_cells(path) if args.resume else set()) | done_in(args.skip_done_in)
     todo = [c for c in selected if c.id not in skip]
+    wind, wind_absent = wind_route.load(todo, device, args.head_dim, "--no-wind" if args.no_wind else None)
+    meta["wind_rwkv"] = wind.version if wind is not None else None
+    print(f"wind_rwkv: head dim {wind.head_dim}, built in {wind.build_s:.0f} s" if wind is not None
+          else f"wind_rwkv: {next(iter(wind_absent.values()))}", file=sys.stderr, flush=True)
     if device.type == "cuda" and todo and not args.no_prewarm:
         seconds = prewarm.prewarm(todo, fla=fla is not None,
                                   say=lambda line: print(f"prewarm: {line}", file=sys.stderr, flush=True))
@@ -497,7 +525,7 @@ def main(argv=None) -> int:
             out.flush()
             print(_progress(record), flush=True)
 
-        run_cells(selected, args, device, fla, fla_absent, meta, sink, skip)
+        run_cells(selected, args, device, fla, fla_absent, meta, sink, skip, wind, wind_absent)
         if first_call and first_call_cell_id(first_shape) not in skip:
             record = measure_first_call(first_shape, device, args.first_call_timeout, meta)
             out.write(json.dumps(record) + "\n")

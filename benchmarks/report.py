@@ -3,7 +3,8 @@
     python -m benchmarks.report benchmarks/results/h200.json      # writes h200.md, h200.png
     python -m benchmarks.report h200.json --merge shard0.json shard1.json   # shards first
 
-``ratio`` is the faster FLA route's time over torch_dplr's (above 1: torch_dplr is faster).
+``ratio`` is the faster FLA route's time over torch_dplr's (above 1: torch_dplr is faster);
+``ratio_wind`` is wind_rwkv's ``chunked_cuda`` time over torch_dplr's.
 When the run has ``stage`` records (:mod:`benchmarks.stages`), a "Where the time goes" table per
 cell gives each stage op's time, bytes and achieved bandwidth, and the stages' sum against the
 end-to-end time.  When a cell was measured more than once (``--resume``, reruns), its last
@@ -100,17 +101,35 @@ def _errors(r) -> str:
     return "; ".join(f"{k[:-6]}: {v}" for k, v in r.items() if k.endswith("_error") and v)
 
 
+def _wind_cell(r) -> str:
+    return "refused" if r.get("wind_refusal") else _num(r.get("wind_ms"))
+
+
 def table(rows) -> list[str]:
     lines = ["| shape | chunk | gates | state | torch_dplr ms | FLA Triton ms | FLA TileLang ms "
-             "| ratio | peak MB torch_dplr / FLA |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| wind_rwkv ms | ratio | ratio wind | peak MB torch_dplr / FLA / wind |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "–" if r.get("ratio") is None else f"**{r['ratio']:.2f}x**"
-        peaks = f"{_num(r.get('torch_dplr_peak_mb'), '{:.0f}')} / {_num(r.get('fla_peak_mb'), '{:.0f}')}"
+        ratio_wind = "–" if r.get("ratio_wind") is None else f"{r['ratio_wind']:.2f}x"
+        peaks = " / ".join(_num(r.get(k), "{:.0f}") for k in ("torch_dplr_peak_mb", "fla_peak_mb",
+                                                              "wind_peak_mb"))
         lines.append(f"| {_shape(r)} | {r['chunk_size']} | {r['gates']} | {'yes' if r['state'] else 'no'} "
                      f"| {_num(r.get('torch_dplr_ms'))} | {_num(r.get('fla_triton_ms'))} "
-                     f"| {_tilelang_cell(r)} | {ratio} | {peaks} |")
+                     f"| {_tilelang_cell(r)} | {_wind_cell(r)} | {ratio} | {ratio_wind} | {peaks} |")
     return lines
+
+
+def wind_refusals(records) -> list[str]:
+    """Why wind_rwkv did not run cells: each reason once, with its cell count (empty: none)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.get("wind_refusal"):
+            counts[r["wind_refusal"]] = counts.get(r["wind_refusal"], 0) + 1
+    if not counts:
+        return []
+    return ["", "## wind_rwkv: cells it does not run", "", "| cells | reason |", "|---|---|"] + [
+        f"| {n} | {reason} |" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1])]
 
 
 def _is_design(r) -> bool:
@@ -163,16 +182,20 @@ def _preamble(records) -> list[str]:
     meta = next((r for r in records if r.get("device")), {})
     cuda = meta.get("device", "cpu") != "cpu"
     fla = f"flash-linear-attention {meta['fla']}" if meta.get("fla") else "flash-linear-attention (not run)"
+    wind = f"wind_rwkv {meta['wind_rwkv']}" if meta.get("wind_rwkv") else "wind_rwkv (not run)"
     clock = ("CUDA events, L2 flushed between reps" if cuda
              else "host clock (CPU smoke test: the times mean nothing)")
-    return [f"# torch_dplr vs {fla} on {meta.get('device', '?')}", "",
+    return [f"# torch_dplr vs {fla} and {wind} on {meta.get('device', '?')}", "",
             f"torch {meta.get('torch', '?')}, torch_dplr {meta.get('torch_dplr', '?')} "
             f"(git {meta.get('git') or '?'}), torch_dplr TileLang kernels: "
             f"{'yes' if meta.get('torch_dplr_tilelang') else 'no'}. bf16 inputs, fp32 gates. "
             f"Times: median over reps, {clock}. "
             "ratio = faster FLA route / torch_dplr (above 1: torch_dplr is faster). Peak: CUDA "
             "memory one call allocates above what was allocated before it, MB; FLA's is its faster "
-            "route's. '→Triton': FLA's TileLang backend refused the config (it runs Triton)."]
+            "route's. '→Triton': FLA's TileLang backend refused the config (it runs Triton). "
+            "wind_rwkv: its `chunked_cuda` kernel (bf16 state, chunk 16, one save/recompute trade "
+            "whatever the policy); ratio wind = wind_rwkv / torch_dplr; 'refused': it cannot run "
+            "the cell (see below)."]
 
 
 def _stage_cell_title(r) -> str:
@@ -288,6 +311,7 @@ def markdown(records) -> str:
                       f"of any `torch.library.custom_op`, PyTorch's cost: {max(dynamo):.2f} s more here "
                       f"(warm run)."]
         lines += first_call_profile(first)
+    lines += wind_refusals(records)
     lines += stage_sections(records)
     failed = [r for r in records if _errors(r)]
     if failed:

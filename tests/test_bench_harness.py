@@ -50,7 +50,11 @@ def _synthetic(cell, rng):
               "fla_tilelang_ms": None if fallback else tilelang, "fla_tilelang_fallback": fallback,
               "torch_dplr_peak_mb": rng.uniform(100, 5000), "fla_triton_peak_mb": 3000.0,
               "fla_tilelang_peak_mb": None if fallback else 2000.0, "device": "NVIDIA H200",
-              "fla": "0.6.0", "torch": "2.11"}
+              "fla": "0.6.0", "torch": "2.11", "wind_rwkv": "d1d85d9d0d01"}
+    if cell.shape.D == 128:
+        record["wind_refusal"] = "head dim 128"
+    else:
+        record.update(wind_ms=1.6 * record["torch_dplr_ms"], wind_peak_mb=2000.0)
     return harness.summarize(record)
 
 
@@ -61,7 +65,8 @@ def test_report_from_synthetic_jsonl(tmp_path):
                     "D": 64, "N": None, "chunk_size": 64, "cold_s": 25.0, "warm_s": 3.0,
                     "warm_profile": {"fwd_bwd_s": 4.0, "by_self": [["<launch>", 1.5]],
                                      "by_cumulative": [["step", 4.0], ["backward", 2.5]]}})
-    records[0] = dict(records[0], torch_dplr_ms=None, ratio=None, torch_dplr_error="RuntimeError: x")
+    records[0] = dict(records[0], torch_dplr_ms=None, ratio=None, ratio_wind=None,
+                      torch_dplr_error="RuntimeError: x")
     path = tmp_path / "h200.json"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     written = report.write_report(path)
@@ -69,6 +74,11 @@ def test_report_from_synthetic_jsonl(tmp_path):
     assert written["md"] == str(tmp_path / "h200.md")
     assert md.count("\n| B") == len(records)  # one row per cell
     assert "## Targets" in md and "→Triton" in md and "## Errors" in md and "RuntimeError: x" in md
+    # the wind column: its time, its ratio (none where torch_dplr failed), 'refused' with the reason
+    assert "| wind_rwkv ms |" in md and f"| {records[1]['wind_ms']:.3f} | **" in md
+    assert md.count("| 1.60x |") == sum(r.get("ratio_wind") == 1.6 for r in records) == 5 * 30 - 1
+    assert md.count("| refused |") == sum(r.get("wind_refusal") is not None for r in records) == 30
+    assert "## wind_rwkv: cells it does not run" in md and "| 30 | head dim 128 |" in md
     assert "| first call, warm cache <= 2 s | 3.00 s | **no** |" in md
     assert "Where the time goes" not in md  # no stage records
     assert "| `<launch>` | 1.500 | `step` | 4.000 |\n|  | – | `backward` | 2.500 |" in md
@@ -98,6 +108,9 @@ def test_harness_on_tiny_cpu_cells(tmp_path):
         assert set(harness.REQUIRED) <= set(r)
         assert r["torch_dplr_ms"] > 0 and "torch_dplr_error" not in r
         assert r["fla_triton_ms"] is None and r["ratio"] is None and r["fla_skipped"] == "--no-fla"
+        # wind_rwkv's columns: null, with the reason
+        assert r["wind_ms"] is None and r["wind_peak_mb"] is None and r["ratio_wind"] is None
+        assert r["wind_skipped"] == "wind_rwkv needs CUDA" and r["wind_rwkv"] is None
         assert r["device"] == "cpu" and r["gates"] == "rwkv7"
     assert (tmp_path / "t.md").exists()
 

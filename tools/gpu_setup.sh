@@ -20,6 +20,9 @@ if [ ! -f /tmp/site/.done ]; then  # once per machine (a warm machine keeps /tmp
   touch /tmp/site/.done
 fi
 export PYTHONPATH="$PWD:/tmp/site" TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+# wind_rwkv's chunked_cuda sources when packed (WIND_SRC=... pack_gpu_bundle.sh): the bench's
+# wind_rwkv column (benchmarks/wind_route.py builds them here with nvcc and ninja)
+if [ -d .gpu/wind_rwkv ]; then export TORCH_DPLR_WIND_RWKV="$PWD/.gpu/wind_rwkv"; fi
 # the commit the results name (see pack_gpu_bundle.sh; benchmarks.harness reads it)
 [ -f .gpu/commit ] && export TORCH_DPLR_GIT_COMMIT="$(cat .gpu/commit)"
 echo "setup $(( $(date +%s) - t0 )) s"

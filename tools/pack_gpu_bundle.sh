@@ -37,6 +37,24 @@ if [ -f "$FLA_CACHE" ]; then cp "$FLA_CACHE" .gpu.new/fla_cache.tar.xz; fi  # gp
 # the state of an envelope run whose machine went back (its $OUT/envelope.tgz): envelope_run.sh
 # continues it on the fresh machine
 if [ -n "${ENVELOPE_STATE:-}" ]; then cp "$ENVELOPE_STATE" .gpu.new/envelope_state.tgz; fi
+# wind_rwkv's chunked_cuda sources (benchmarks/wind_route.py; gpu_setup.sh points
+# TORCH_DPLR_WIND_RWKV at them): WIND_SRC is a checkout of github.com/johanwind/wind_rwkv or a
+# folder holding just chunked_cuda.py, .cpp, .cu and tile.cuh; only those (and its LICENSE and
+# COMMIT stamp) are copied
+if [ -n "${WIND_SRC:-}" ]; then
+  wind_dir=$WIND_SRC
+  [ -f "$wind_dir/chunked_cuda.py" ] || wind_dir=$WIND_SRC/wind_rwkv/rwkv7/chunked_cuda
+  mkdir -p .gpu.new/wind_rwkv
+  for f in chunked_cuda.py chunked_cuda.cpp chunked_cuda.cu tile.cuh; do cp "$wind_dir/$f" .gpu.new/wind_rwkv/; done
+  for f in LICENSE COMMIT; do
+    if [ -f "$wind_dir/$f" ]; then cp "$wind_dir/$f" .gpu.new/wind_rwkv/
+    elif [ -f "$WIND_SRC/$f" ]; then cp "$WIND_SRC/$f" .gpu.new/wind_rwkv/; fi
+  done
+  if [ ! -f .gpu.new/wind_rwkv/COMMIT ] && [ -e "$WIND_SRC/.git" ]; then
+    echo "github.com/johanwind/wind_rwkv $(git -C "$WIND_SRC" rev-parse HEAD) wind_rwkv/rwkv7/chunked_cuda" \
+      > .gpu.new/wind_rwkv/COMMIT
+  fi
+fi
 # the commit that travels (the device copy's own .git HEAD can lag the working tree); -dirty
 # when the working tree differs from it
 git describe --always --dirty --abbrev=7 > .gpu.new/commit
