@@ -99,7 +99,7 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
             for t in range(t_first, t_end - 1):
                 tok, valid = tile_rows(bos, eos, t, BT, REVERSE)
                 q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
-                                                         H, K, V)
+                                                         H, K, V, 0, V)
                 (qg, kg, bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,
                  _centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype,
                                                EXACT, BT)
@@ -115,7 +115,7 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
                 h = tl.load(ws + (t - t_first - 1) * K * V + state_offsets)
             tok, valid = tile_rows(bos, eos, t, BT, REVERSE)
             q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
-                                                     H, K, V)
+                                                     H, K, V, 0, V)
             row_k = (tok[:, None] * H + i_h) * K + ck[None, :]
             row_v = (tok[:, None] * H + i_h) * V + cv[None, :]
             m = valid[:, None]

@@ -60,11 +60,12 @@ def sequence_of(cu_seqlens, chunk_offsets, i_n):
 
 
 @triton.jit
-def load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K: tl.constexpr,
-              V: tl.constexpr):
-    """A tile's q, k, a, b, log2 gates and v as fp32 ``[BT, D]`` (rows past the end: 0)."""
+def load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K: tl.constexpr, V: tl.constexpr,
+              v0, BV: tl.constexpr):
+    """A tile's q, k, a, b, log2 gates ``[BT, K]`` and value columns ``[v0, v0 + BV)`` of v
+    ``[BT, BV]``, as fp32 (rows past the end: 0)."""
     row_k = (tok[:, None] * H + i_h) * K + tl.arange(0, K)[None, :]
-    row_v = (tok[:, None] * H + i_h) * V + tl.arange(0, V)[None, :]
+    row_v = (tok[:, None] * H + i_h) * V + v0 + tl.arange(0, BV)[None, :]
     m = valid[:, None]
     return (tl.load(q + row_k, mask=m, other=0.0).to(tl.float32),
             tl.load(k + row_k, mask=m, other=0.0).to(tl.float32),

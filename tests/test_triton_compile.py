@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def variants():
     """(kernel, pointer dtypes, constexprs): the sweep's three schemes at chunks 16 and 64,
-    forward and backward, and the per-token kernel (functional, pool-indexed, and flagged)."""
+    forward (also in value blocks) and backward, and the per-token kernel (functional, pool-indexed, and flagged)."""
     p, f = "*bf16", "*fp32"
     fwd = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h0=f, cu_seqlens="*i32", chunk_offsets="*i32",
                o=p, ht=f, h_out=f, flags="*i32", scale="fp32", H="i32")
@@ -26,8 +26,10 @@ def variants():
                flags="*i32", o=p, ht=f, scale="fp32", H="i32")
     for mode in (0, 1, 2):
         for tiles in (1, 4):
-            yield "chunk_fwd", fwd, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=tiles,
+            yield "chunk_fwd", fwd, dict(K=64, V=64, BV=64, BT=16, TILES_PER_CHUNK=tiles,
                                          USE_H0=True, STORE_H=True, MODE=mode, REVERSE=False)
+    yield "chunk_fwd", fwd, dict(K=64, V=64, BV=32, BT=16, TILES_PER_CHUNK=4, USE_H0=True,
+                                 STORE_H=False, MODE=0, REVERSE=False)  # value blocks
     for mode, tiles, reverse in ((0, 4, False), (1, 4, False), (2, 1, True)):
         yield "chunk_bwd", bwd, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=tiles,
                                      USE_DHT=True, WRITE_DH0=True, MODE=mode, REVERSE=reverse)

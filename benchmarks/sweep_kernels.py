@@ -1,0 +1,146 @@
+"""The chunked sweep kernels (``csrc_triton.chunk_fwd`` / ``chunk_bwd``) launched directly,
+over their schedule knobs, with the bytes each launch moves.
+
+Per (shape, chunk size, knobs) one JSON line: ``fwd`` (no states kept: the no-grad forward),
+``fwd_states`` (the training forward: also the state at every chunk start) and ``bwd`` (every
+gradient from the kept states), each in ms (:class:`benchmarks.timing.Timer`: CUDA events, L2
+flushed, median), with ``*_mb`` (compulsory traffic: every input read once, every output
+written once, in 1e6 bytes) and ``*_gbps``.  Inputs are the harness's (bf16, RWKV-7 gates,
+fp32 initial state, a declared bound: the centred scheme plus its exact pass).
+
+    python -m benchmarks.sweep_kernels --out benchmarks/results/h200-sweep.jsonl
+    python -m benchmarks.sweep_kernels --shapes design --block-v 64,32,16 --warps 4,2
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from torch_dplr.ops.varlen import as_one_sequence_list as flat
+from torch_dplr.ops.varlen import kernel_tables
+
+from . import inputs
+from .cells import Shape
+from .timing import Timer
+
+SHAPES = {"design": Shape(8, 4096, 32, 64), "small": Shape(2, 4096, 8, 64),
+          "long": Shape(1, 65536, 32, 64), "varlen": Shape(1, 32768, 32, 64, N=8)}
+MODES = ("fwd", "fwd_states", "bwd")
+
+
+def _mb(*tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+
+
+class SweepCase:
+    """One shape's inputs and every buffer of a sweep forward and backward at chunk size C."""
+
+    def __init__(self, shape: Shape, C: int):
+        x = inputs.make(shape, "rwkv7", "cuda")
+        self.C = C
+        self.cu = (x.cu_seqlens if x.cu_seqlens is not None
+                   else torch.zeros(0, dtype=torch.int64, device="cuda"))
+        self.tables = kernel_tables(self.cu, shape.B, shape.T, C, x.q.device)
+        N, H, D = self.tables.cu_seqlens.shape[0] - 1, shape.H, shape.D
+        self.tokens = tuple(map(flat, (x.q, x.k, x.v, x.a, x.b, x.gk)))
+        self.h0, self.dht, self.do = x.h0.contiguous(), x.dht.contiguous(), flat(x.do)
+        self.o = torch.empty_like(self.tokens[2])
+        self.ht = torch.empty(N, H, D, D, device="cuda")
+        self.states = torch.empty(1, self.tables.chunk_start.shape[0], H, D, D, device="cuda")
+        self.flags = torch.empty(N, H, dtype=torch.int32, device="cuda")
+        self.grads = [torch.empty_like(t) for t in self.tokens]
+        self.dh0 = torch.empty_like(self.ht)
+
+    def traffic_mb(self, mode: str) -> float:
+        reads = _mb(*self.tokens, self.h0)
+        if mode == "fwd":
+            return reads + _mb(self.o, self.ht)
+        if mode == "fwd_states":
+            return reads + _mb(self.o, self.ht, self.states)
+        return reads + _mb(self.do, self.dht, self.states, *self.grads, self.dh0)
+
+    def forward(self, store: bool, **knobs):
+        from csrc_triton import chunk_fwd
+        chunk_fwd.launch(*self.tokens, self.h0, self.tables.cu_seqlens, self.tables.chunk_offsets,
+                         self.o, self.ht, self.states, self.flags, 0.125, self.C, True, store,
+                         True, False, **knobs)
+
+    def backward(self, workspace, num_warps: int):
+        from csrc_triton import chunk_bwd
+        chunk_bwd.launch(*self.tokens, self.states, self.do, self.dht, self.tables.cu_seqlens,
+                         self.tables.chunk_offsets, self.flags, workspace, *self.grads, self.dh0,
+                         0.125, self.C, True, True, True, False, num_warps=num_warps)
+
+
+def run(shape_names, chunks, block_vs, warps, stages, modes, out=None, reps=15):
+    timer = Timer("cuda", reps=reps, warmup=2, cap_s=3.0)
+    for name in shape_names:
+        shape = SHAPES[name]
+        for C in chunks:
+            case = SweepCase(shape, C)
+            for bv, nw, ns in itertools.product(block_vs, warps, stages):
+                rec = dict(shape=shape.label, chunk=C, block_v=bv, num_warps=nw, num_stages=ns)
+                knobs = dict(num_warps=nw, block_v=bv, num_stages=ns)
+                # the backward takes num_warps only: timed once per value of it
+                first = (bv, ns) == (block_vs[0], stages[0])
+                try:
+                    for mode in modes:
+                        if mode == "bwd" and not first:
+                            continue
+                        if mode == "bwd":
+                            from csrc_triton import chunk_bwd
+                            H, D = shape.H, shape.D
+                            ws = torch.empty(chunk_bwd.workspace_shape(
+                                H, case.flags.shape[0], C // 16, D, D), device="cuda")
+                            case.forward(True, **knobs)
+                            ms = timer.measure(lambda: case.backward(ws, nw)).ms
+                        else:
+                            store = mode == "fwd_states"
+                            ms = timer.measure(lambda: case.forward(store, **knobs)).ms
+                        mb = case.traffic_mb(mode)
+                        rec.update({f"{mode}_ms": round(ms, 4), f"{mode}_mb": round(mb, 1),
+                                    f"{mode}_gbps": round(mb / ms, 1)})
+                except Exception as exc:  # noqa: BLE001  (a config that does not build)
+                    rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                line = json.dumps(rec)
+                print(line, flush=True)
+                if out:
+                    with open(out, "a") as f:
+                        f.write(line + "\n")
+            del case
+            torch.cuda.empty_cache()
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep_kernels",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
+    parser.add_argument("--chunks", default="64")
+    parser.add_argument("--block-v", default="0", help="V columns per program (0: all)")
+    parser.add_argument("--warps", default="4")
+    parser.add_argument("--stages", default="1")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {list(MODES)}")
+    parser.add_argument("--out", default=None, help="append JSON lines here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    shapes = [s for s in args.shapes.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    for bad in set(shapes) - set(SHAPES):
+        parser.error(f"--shapes: unknown shape {bad!r}")
+    for bad in set(modes) - set(MODES):
+        parser.error(f"--modes: unknown mode {bad!r}")
+    run(shapes, _ints(args.chunks), _ints(args.block_v), _ints(args.warps), _ints(args.stages),
+        modes, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
