@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from .envvars import scoped_env
+
 ROUTES = ("triton", "tilelang")
 ENV = "FLA_TILELANG"
 
@@ -50,15 +52,8 @@ class FLA:
         """Run the block on FLA's Triton kernels (``"triton"``) or let TileLang take it."""
         if name not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {name!r}")
-        saved = os.environ.get(ENV)
-        os.environ[ENV] = "1" if name == "tilelang" else "0"
-        try:
+        with scoped_env(ENV, "1" if name == "tilelang" else "0"):
             yield
-        finally:
-            if saved is None:
-                del os.environ[ENV]
-            else:
-                os.environ[ENV] = saved
 
     def tilelang_refusal(self, call_forward) -> str | None:
         """Why FLA's TileLang backend would not run this call (None: it does).

@@ -41,7 +41,6 @@ size, so that processes of different head sizes never share one build.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import tempfile
@@ -51,7 +50,10 @@ from typing import Callable
 
 import torch
 
+from torch_dplr.testing import rms_ratio
+
 from .cells import MODES, Cell
+from .envvars import scoped_env
 from .inputs import Inputs, varlen_offsets
 
 ENV = "TORCH_DPLR_WIND_RWKV"
@@ -146,19 +148,6 @@ def refusal(cell: Cell, head_dim: int, tensors: Inputs | None = None) -> str | N
 
 # --- the op ------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
-
-
 _built_for: int | None = None  # the head size wind's op was built for in this process
 
 
@@ -204,7 +193,7 @@ class Wind:
         start = time.perf_counter()
         try:
             (build / f"D{head_dim}").mkdir(parents=True, exist_ok=True)
-            with _env("TORCH_EXTENSIONS_DIR", str(build / f"D{head_dim}")):
+            with scoped_env("TORCH_EXTENSIONS_DIR", str(build / f"D{head_dim}")):
                 module.load_chunked_cuda(head_dim)
         except Exception as exc:  # noqa: BLE001  (nvcc, ninja or the build failed)
             first = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ""
@@ -253,15 +242,10 @@ class Wind:
 
 def diffs(ours_o, ours_ht, wind_out, state: bool) -> dict:
     """RMS(torch_dplr - wind) / RMS(wind) of o (and the final state, in our layout)."""
-    def rms_ratio(x, ref):
-        x, ref = x.double(), ref.double()
-        denom = ref.pow(2).mean().sqrt().clamp_min(1e-30)
-        return round(((x - ref).pow(2).mean().sqrt() / denom).item(), 6)
-
     y, sT = wind_out
-    out = {"o": rms_ratio(ours_o, y)}
+    out = {"o": round(rms_ratio(ours_o, y), 6)}
     if state:
-        out["final_state"] = rms_ratio(ours_ht, state_from_wind(sT))
+        out["final_state"] = round(rms_ratio(ours_ht, state_from_wind(sT)), 6)
     return out
 
 
