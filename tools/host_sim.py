@@ -1,5 +1,8 @@
 """The host side of a CUDA call, on a CPU machine: what the Python around the kernels costs.
 
+Two harnesses: chunked training steps (below), and decode steps (``decode``: the per-token
+entries, see :func:`decode_main`).
+
 Every ``dplr`` op's CUDA function runs as its CPU kernel and every TileLang launch is a no-op
 (``torch_dplr.testing.cuda_op_bodies_on_cpu``), so a step runs the op bodies,
 the dispatcher, autograd and the checkpoint machinery exactly as on the GPU's host, minus the
@@ -15,10 +18,14 @@ tools/host_probe.py there), and they drift between runs: compare the variants of
 
     python tools/host_sim.py                      # B2 T64 H8 D64, chunk 64
     python tools/host_sim.py 2 64 8 64 16
+    python tools/host_sim.py decode               # decode steps, H32, batches 1/16/128, D64/128
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -111,5 +118,144 @@ def main():
     print(json.dumps(result))
 
 
+# ---- decode steps -------------------------------------------------------------------------
+
+# the ops whose CUDA function launches the per-token Triton kernel
+PER_TOKEN_OPS = ("recurrent_fwd", "decode_pool")
+
+
+class _NoLaunchKernel:
+    """Stands in for a ``@triton.jit`` function: ``kernel[grid](...)`` does nothing, so the
+    launch wrapper's own Python (config, grid) still runs."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def per_token_bodies_on_cpu():
+    """Inside, CPU calls of the per-token ops run their CUDA functions through the whole
+    dispatcher path they take on a GPU (autograd key, the custom op's backend wrapper), with
+    the Triton launch a no-op.  ``TRITON_INTERPRET=1`` is what lets a CPU tensor pass the
+    bodies' "Triton runs here" check."""
+    from csrc_triton import recurrent as kernel_module
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    saved_kernel = kernel_module.recurrent_fwd_kernel
+    opdefs = [OPDEFS[f"dplr::{name}"] for name in PER_TOKEN_OPS]
+    saved_fns = [opdef._backend_fns[None] for opdef in opdefs]
+    try:
+        os.environ["TRITON_INTERPRET"] = "1"
+        kernel_module.recurrent_fwd_kernel = _NoLaunchKernel()
+        for opdef in opdefs:  # the device-less kernel is the one CPU tensors dispatch to
+            opdef._backend_fns[None] = opdef._backend_fns["cuda"]
+        yield
+    finally:
+        for opdef, fn in zip(opdefs, saved_fns):
+            opdef._backend_fns[None] = fn
+        kernel_module.recurrent_fwd_kernel = saved_kernel
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
+
+
+def decode_inputs(B: int, T: int, H: int, D: int, seed=0) -> dict:
+    """benchmarks/decode.py's values on the CPU: bf16 r, k, v, a, b, fp32 RWKV-7 gates and
+    state, plus a state pool holding the B states in slots 0..B-1."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    kk = torch.nn.functional.normalize(rand(B, T, H, D), dim=-1)
+    state = rand(B, H, D, D) * 0.1
+    return dict(r=rand(B, T, H, D).bfloat16(), w=RWKV7_BOUND * torch.sigmoid(rand(B, T, H, D)),
+                k=(rand(B, T, H, D) * D ** -0.5).bfloat16(), v=rand(B, T, H, D).bfloat16(),
+                a=(-kk).bfloat16(), b=(kk * torch.sigmoid(rand(B, T, H, D))).bfloat16(),
+                kk=kk.bfloat16(), iclr=torch.sigmoid(rand(B, T, H, D)).bfloat16(),
+                state=state, pool=state.clone(),
+                slots=torch.arange(B, dtype=torch.int32))
+
+
+def decode_steps(x: dict) -> dict:
+    """The eager calls benchmarks/decode.py times, plus the other per-token entries."""
+    args = [x[n] for n in ("r", "w", "k", "v", "a", "b")]
+    mul_args = [x[n] for n in ("r", "w", "k", "v", "kk", "iclr")]
+    dplr_args = [x[n] for n in ("r", "k", "v", "a", "b", "w")]
+    state = x["state"]
+    return {
+        "fused_recurrent_rwkv7": lambda: torch_dplr.fused_recurrent_rwkv7(
+            *args, scale=1.0, initial_state=state, output_final_state=True),
+        "fused_mul_recurrent_rwkv7": lambda: torch_dplr.fused_mul_recurrent_rwkv7(
+            *mul_args, scale=1.0, initial_state=state, output_final_state=True),
+        "fused_recurrent_dplr_delta_rule": lambda: torch_dplr.fused_recurrent_dplr_delta_rule(
+            *dplr_args, scale=1.0, initial_state=state, output_final_state=True),
+        "rwkv7_decode": lambda: torch_dplr.rwkv7_decode(*args, x["pool"], x["slots"],
+                                                        check_values=False),
+    }
+
+
+def _keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed blocks in its heap, as the CUDA caching allocator
+    does: by default it maps and unmaps every large block (a B128 final state is 64 MiB at
+    D64), ~10-20 us of system calls per functional call that a GPU host does not spend.
+    Returns whether the allocator took the settings (it is glibc's only)."""
+    import ctypes
+    import ctypes.util
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
+def _median_us(step, blocks: int, n: int) -> float:
+    for _ in range(3):
+        step()
+    return round(statistics.median(_block_us(step, n) for _ in range(blocks)), 1)
+
+
+def decode_records(batches=(1, 16, 128), head_dims=(64, 128), heads=32, tokens=1, blocks=7,
+                   calls=200, no_grad=False):
+    """Yields one record per (head dim, batch): host microseconds per call of each per-token
+    entry, the median over ``blocks`` blocks of ``calls`` calls."""
+    grad = torch.no_grad if no_grad else contextlib.nullcontext
+    with per_token_bodies_on_cpu(), grad():
+        for D in head_dims:
+            for B in batches:
+                steps = decode_steps(decode_inputs(B, tokens, heads, D))
+                rec = dict(B=B, T=tokens, H=heads, D=D)
+                rec.update({name: _median_us(step, blocks, calls) for name, step in steps.items()})
+                yield rec
+
+
+def decode_main(argv=None):
+    """Host microseconds per decode call (T tokens per request) of each per-token entry, one
+    JSON line per (head dim, batch), as benchmarks/decode.py calls them (grad mode on, no
+    input requiring grad; ``--no-grad``: under ``torch.no_grad()``).  Freed memory stays in
+    malloc's heap (:func:`_keep_freed_memory`) so that allocating the large fp32 final states
+    costs what the CUDA caching allocator charges, not a system call.
+    ``fused_mul_recurrent_rwkv7`` forms ``-kk`` and ``kk·a`` with two elementwise ops, which
+    here compute on the CPU (tens of us at B128) where a GPU host only launches them."""
+    parser = argparse.ArgumentParser(prog="host_sim.py decode", description=decode_main.__doc__)
+    parser.add_argument("--batches", default="1,16,128")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--no-grad", action="store_true")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (the small elementwise ops of "
+                             "fused_mul_recurrent_rwkv7 run on them)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    kept = _keep_freed_memory()
+    for rec in decode_records(tuple(map(int, args.batches.split(","))),
+                              tuple(map(int, args.head_dims.split(","))), args.heads,
+                              args.tokens, args.blocks, args.calls, args.no_grad):
+        print(json.dumps(dict(rec, heap_kept=kept)), flush=True)
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["decode"]:
+        decode_main(sys.argv[2:])
+    else:
+        main()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
+from .ops.recurrent import call_op
 from .validation import check_inputs
 
 DEFAULT_CHUNK_SIZE = 64
@@ -165,11 +166,8 @@ def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state
     q, k, v, a, b = _under_autocast(dict(q=q, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(q=q, k=k, v=v, a=a, b=b, gk=gk), gate="gk", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
-    o, final_state = torch.ops.dplr.recurrent_fwd(q, k, v, a, b, gk, h0, cu, scale, use_h0,
-                                                  bool(reverse))
-    return o, (final_state if output_final_state else None)
+    return _recurrent(q, k, v, a, b, gk, scale, initial_state, output_final_state, reverse,
+                      cu_seqlens)
 
 
 def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None,
@@ -179,5 +177,16 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None,
     r, k, v, a, b = _under_autocast(dict(r=r, k=k, v=v, a=a, b=b)).values()
     check_inputs(dict(r=r, k=k, v=v, a=a, b=b, w=w), gate="w", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None)
-    return fused_recurrent_dplr_delta_rule(r, k, v, a, b, w, scale, initial_state,
-                                           output_final_state, False, cu_seqlens)
+    return _recurrent(r, k, v, a, b, w, scale, initial_state, output_final_state, False,
+                      cu_seqlens)
+
+
+def _recurrent(q, k, v, a, b, gk, scale, initial_state, output_final_state, reverse,
+               cu_seqlens):
+    """The per-token op on validated inputs.  A decode step's host time is not hidden
+    behind its one small kernel, so the op is called through :func:`call_op`."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
+    o, final_state = call_op(torch.ops.dplr.recurrent_fwd, q, k, v, a, b, gk, h0, cu, scale,
+                             use_h0, bool(reverse))
+    return o, (final_state if output_final_state else None)

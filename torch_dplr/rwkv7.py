@@ -6,8 +6,6 @@ instead of the DPLR pair, and forms ``a_dplr = -kk`` and ``b_dplr = kk·a`` itse
 """
 from __future__ import annotations
 
-import torch
-
 from . import api
 from .validation import check_inputs
 
@@ -39,10 +37,5 @@ def fused_mul_recurrent_rwkv7(r, w, k, v, kk, a, scale=1.0, initial_state=None,
     r, k, v, kk, a = api._under_autocast(dict(r=r, k=k, v=v, kk=kk, a=a)).values()
     check_inputs(dict(r=r, k=k, v=v, kk=kk, a=a, w=w), gate="w", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None)
-    scale = r.shape[-1] ** -0.5 if scale is None else float(scale)
-    # fixed arity: absent tensors travel as size-0 tensors plus a flag
-    cu = cu_seqlens if cu_seqlens is not None else r.new_empty(0, dtype=torch.int64)
-    h0 = initial_state if initial_state is not None else r.new_empty(0, dtype=torch.float32)
-    o, final_state = torch.ops.dplr.recurrent_fwd(r, k, v, -kk, kk * a, w, h0, cu, scale,
-                                                  initial_state is not None, bool(reverse))
-    return o, (final_state if output_final_state else None)
+    return api._recurrent(r, k, v, -kk, kk * a, w, scale, initial_state, output_final_state,
+                          reverse, cu_seqlens)

@@ -27,6 +27,7 @@ import torch
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
 from .api import _under_autocast
 from .ops.decode import check_slot_values, state_dtype
+from .ops.recurrent import call_op
 from .reference.layout import check_cu_seqlens_values
 from .validation import check_inputs
 
@@ -98,7 +99,8 @@ def _decode(tensors, gate, state_pool, slot_indices, scale, cu_seqlens, cu_seqle
                           state_pool.shape[0])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     cu = cu_seqlens if cu_seqlens is not None else q.new_empty(0, dtype=torch.int64)
-    return torch.ops.dplr.decode_pool(q, k, v, a, b, gk, state_pool, slot_indices, cu, scale)
+    return call_op(torch.ops.dplr.decode_pool, q, k, v, a, b, gk, state_pool, slot_indices, cu,
+                   scale, mutated=state_pool)
 
 
 def _refuse_grad(tensors, state_pool):

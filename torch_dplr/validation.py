@@ -29,29 +29,10 @@ def check_inputs(tensors: Mapping[str, torch.Tensor], *, gate: str, value: str, 
 
     ``gate``/``value`` name the gate and value arguments among them.
     """
-    for name, x in tensors.items():
-        _require_tensor(x, name)
-    names = list(tensors)
-    first = names[0]
+    if not _tensors_agree(tensors, gate, value):
+        _check_tensors(tensors, gate, value)  # raises, naming the argument
+    first = next(iter(tensors))
     ref = tensors[first]
-    if ref.dim() != 4:
-        raise ValueError(f"{first} must have shape [B, T, H, K], got {tuple(ref.shape)}")
-    for name, x in tensors.items():
-        if x.device != ref.device:
-            raise ValueError(f"{name} is on {x.device} but {first} is on {ref.device}")
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-        if name == value:
-            if x.dim() != 4 or x.shape[:3] != ref.shape[:3]:
-                raise ValueError(f"{name} must have shape [B, T, H, V] = [{', '.join(map(str, ref.shape[:3]))}, V],"
-                                 f" got {tuple(x.shape)}")
-        elif x.shape != ref.shape:
-            raise ValueError(f"{name} must have the shape of {first} {tuple(ref.shape)}, got {tuple(x.shape)}")
-        if name != gate and x.dtype != ref.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but {first} has {ref.dtype}; "
-                            f"all inputs but {gate} must share one dtype")
-    if ref.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{first} must be bf16, fp16, fp32 or fp64, got {ref.dtype}")
     B, T, H, K = ref.shape
     V = tensors[value].shape[-1]
     if K == 0 or V == 0 or H == 0:
@@ -83,6 +64,60 @@ def check_inputs(tensors: Mapping[str, torch.Tensor], *, gate: str, value: str, 
             raise TypeError(f"{initial_state_name} must be floating point, got {initial_state.dtype}")
         if initial_state.device != ref.device:
             raise ValueError(f"{initial_state_name} is on {initial_state.device} but {first} is on {ref.device}")
+
+
+def _tensors_agree(tensors: Mapping[str, torch.Tensor], gate: str, value: str) -> bool:
+    """Whether :func:`_check_tensors` would pass, in one cheap pass: a per-token call runs
+    this on every step, and its host time is not hidden behind the kernel.  Stricter never
+    looser than the detailed checks (a false answer only sends the call to them)."""
+    items = iter(tensors.items())
+    _, ref = next(items)
+    if not isinstance(ref, torch.Tensor):
+        return False
+    shape, dtype, device = ref.shape, ref.dtype, ref.device
+    if len(shape) != 4 or dtype not in INPUT_DTYPES:
+        return False
+    for name, x in items:
+        if not isinstance(x, torch.Tensor) or x.device != device:
+            return False
+        if name == value:
+            if x.dim() != 4 or x.shape[:3] != shape[:3] or x.dtype != dtype:
+                return False
+        elif x.shape != shape:
+            return False
+        elif name == gate:
+            if not x.dtype.is_floating_point:
+                return False
+        elif x.dtype != dtype:
+            return False
+    return True
+
+
+def _check_tensors(tensors: Mapping[str, torch.Tensor], gate: str, value: str) -> None:
+    """Every tensor argument's type, shape, dtype and device, in argument order: the first
+    failure raises, naming its argument."""
+    for name, x in tensors.items():
+        _require_tensor(x, name)
+    first = next(iter(tensors))
+    ref = tensors[first]
+    if ref.dim() != 4:
+        raise ValueError(f"{first} must have shape [B, T, H, K], got {tuple(ref.shape)}")
+    for name, x in tensors.items():
+        if x.device != ref.device:
+            raise ValueError(f"{name} is on {x.device} but {first} is on {ref.device}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if name == value:
+            if x.dim() != 4 or x.shape[:3] != ref.shape[:3]:
+                raise ValueError(f"{name} must have shape [B, T, H, V] = [{', '.join(map(str, ref.shape[:3]))}, V],"
+                                 f" got {tuple(x.shape)}")
+        elif x.shape != ref.shape:
+            raise ValueError(f"{name} must have the shape of {first} {tuple(ref.shape)}, got {tuple(x.shape)}")
+        if name != gate and x.dtype != ref.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but {first} has {ref.dtype}; "
+                            f"all inputs but {gate} must share one dtype")
+    if ref.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{first} must be bf16, fp16, fp32 or fp64, got {ref.dtype}")
 
 
 def _check_cu_seqlens(cu, cu_cpu, ref, first, B, T) -> int:

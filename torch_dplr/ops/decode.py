@@ -28,6 +28,9 @@ import contextlib
 import torch
 from torch import Tensor
 
+from .recurrent import per_token_kernel, sequence_offsets, token_tensors
+from .triton_path import per_token_kernel_applies
+
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of a state (and of the pool) for data of ``dtype``."""
@@ -120,18 +123,15 @@ def decode_pool_cuda(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens, sc
     new state back into it (no gather, no scatter, no host sync); calls it does not take
     (see :func:`~torch_dplr.ops.triton_path.per_token_kernel_applies`, and an fp32 pool) run
     the PyTorch kernel."""
-    from .recurrent import sequence_offsets
-    from .triton_path import per_token_kernel_applies
-    from .varlen import as_one_sequence_list as flat
     N = slot_indices.shape[0]
     if not (state_pool.dtype == torch.float32 and state_pool.is_contiguous()
             and per_token_kernel_applies(q, v, gk, N)):
         return decode_pool_reference(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens,
                                      scale)
-    from csrc_triton import recurrent as kernel
     (o,) = _allocate(decode_pool_shapes(q, v), q.device)
     B, T = q.shape[:2]
     cu = sequence_offsets(cu_seqlens, B, T, q.device)
-    kernel.launch(*map(flat, (q, k, v, a, b, gk)), state_pool, slot_indices.to(torch.int32),
-                  cu, flat(o), state_pool, float(scale), True, True, False)
+    rows = slot_indices if slot_indices.dtype == torch.int32 else slot_indices.to(torch.int32)
+    per_token_kernel().launch(*token_tensors(q, k, v, a, b, gk), state_pool, rows, cu, o,
+                              state_pool, float(scale), True, True, False)
     return o

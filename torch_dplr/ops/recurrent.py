@@ -7,7 +7,13 @@ which gives the same result with 16-token tiles.  The backward recomputes the fo
 chunk-start states with the sweep and differentiates it in one reverse sweep
 (``csrc_triton.chunk_bwd``): nothing of the forward is saved but its inputs.  Neither reads a
 tensor value on the host, so both can be captured in a CUDA graph.
+
+A decode step is one small launch, so its host time is the call's time: the per-token entries
+call their op through :func:`call_op` (past the dispatcher layers that would do nothing) and
+the CUDA bodies hand the kernel the inputs as they are (:func:`token_tensors`).
 """
+
+import functools
 
 import torch
 from torch import Tensor
@@ -29,9 +35,46 @@ def sequence_offsets(cu_seqlens: Tensor, B: int, T: int, device) -> Tensor:
     """int32 ``[N+1]`` token offsets of a call's sequences in its flattened token list (rect
     batches: ``B`` sequences of ``T``), made on the device without a host sync."""
     if cu_seqlens.numel():
-        return cu_seqlens.to(torch.int32)
+        return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
 
+
+@functools.cache
+def per_token_kernel():
+    """``csrc_triton.recurrent``, imported on first use (Triton is an optional dependency;
+    an ``import`` statement in the op body costs host time on every call)."""
+    from csrc_triton import recurrent
+    return recurrent
+
+
+def token_tensors(*xs: Tensor) -> tuple:
+    """The per-token kernel's token tensors: contiguous ``[B, T, H, D]`` as they come.  Its
+    launch reads only H and D from a shape, and a contiguous ``[B, T, H, D]`` is the same
+    memory as the flattened token list ``[1, B*T, H, D]``, so the views
+    :func:`~torch_dplr.ops.varlen.as_one_sequence_list` makes (about 1 us of host time each,
+    seven a decode step) are left out."""
+    return tuple(map(Tensor.contiguous, xs))
+
+
+def call_op(op, *args, mutated: Tensor | None = None):
+    """``op(*args)``, past the Python kernels a ``torch.library.custom_op`` runs in front of
+    its body where they only redispatch (host time not hidden behind a decode step's small
+    kernel: about 7 us a ``recurrent_fwd`` call, 35 us a ``decode_pool`` one, on
+    ``tools/host_sim.py decode``): the autograd kernel when no gradient is needed (the test
+    it makes itself), and, for an op that writes ``mutated``, the in-place kernel, whose one
+    effect (bumping ``mutated``'s version counter) is done here.  Every layer runs while
+    Dynamo traces (so the graph holds the op) and under a functorch transform; the in-place
+    kernel also runs for an inference tensor ``mutated``: inside inference mode the
+    dispatcher skips it anyway, outside it the body's in-place writes must raise as usual."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))):
+        return op(*args)
+    if mutated is None or mutated.is_inference():
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+    torch.autograd.graph.increment_version(mutated)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return op(*args)
 
 
 @without_autocast
@@ -68,16 +111,14 @@ def recurrent_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_
         return recurrent_fwd_reference(q, k, v, a, b, gk, initial_state, cu_seqlens, scale,
                                        use_initial_state, reverse)
     o, ht = allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
-    h0 = initial_state.float().contiguous() if use_initial_state else ht
-    tokens = tuple(map(flat, (q, k, v, a, b, gk)))
+    h0 = initial_state.contiguous() if use_initial_state else ht  # fp32 (_state_ok)
     if sweep:
-        _sweep_forward(tokens, h0, cu_seqlens, B, T, flat(o), ht, scale, use_initial_state,
-                       reverse, store_states=False)
+        _sweep_forward(tuple(map(flat, (q, k, v, a, b, gk))), h0, cu_seqlens, B, T, flat(o),
+                       ht, scale, use_initial_state, reverse, store_states=False)
         return o, ht
-    from csrc_triton import recurrent as kernel
     cu = sequence_offsets(cu_seqlens, B, T, q.device)
-    kernel.launch(*tokens, h0, cu, cu, flat(o), ht, float(scale), use_initial_state, False,
-                  bool(reverse))
+    per_token_kernel().launch(*token_tensors(q, k, v, a, b, gk), h0, cu, cu, o, ht,
+                              float(scale), use_initial_state, False, bool(reverse))
     return o, ht
 
 
