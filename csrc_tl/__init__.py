@@ -8,12 +8,17 @@ kernel for sm_90a. Nothing here dispatches on tensors or registers ops.
 
 from .compile import TARGET, build, build_all, canonical_dtype, clear_cache, in_memory, on_disk, trace
 
-__all__ = ["TARGET", "KERNEL_MODULES", "build", "build_all", "canonical_dtype", "clear_cache",
-           "every_variant", "in_memory", "on_disk", "trace"]
+__all__ = ["TARGET", "KERNEL_MODULES", "DSA_KERNEL_MODULES", "build", "build_all",
+           "canonical_dtype", "clear_cache", "every_variant", "in_memory", "on_disk", "trace"]
 
 #: The kernel families; module ``csrc_tl.<name>`` has factory ``<name>_kernel`` and ``variants()``.
 KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd", "fused_fwd",
                   "state_bwd_split")
+
+#: The DSA op family's kernels (``torch_dplr.dsa``), same conventions. A list of their own, so
+#: the DPLR dispatch, its precompile and its compile test never build them
+#: (``every_variant(DSA_KERNEL_MODULES)`` lists their variants; ``torch_dplr/dsa/ops`` runs them).
+DSA_KERNEL_MODULES = ("dsa_sparse_mla_fwd",)
 
 
 def every_variant(names=KERNEL_MODULES):

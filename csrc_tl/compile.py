@@ -222,12 +222,15 @@ def _cache_dir() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _shared_sources() -> tuple[str, ...]:
-    """csrc_tl's files that are not a kernel family: any kernel may depend on them."""
-    from . import KERNEL_MODULES
+    """csrc_tl's files that are not a kernel family (DPLR or DSA): any kernel may depend on
+    them. A family's own file keys only its own kernels, so editing one leaves the others'
+    cache entries valid."""
+    from . import DSA_KERNEL_MODULES, KERNEL_MODULES
 
+    families = {*KERNEL_MODULES, *DSA_KERNEL_MODULES}
     here = os.path.dirname(os.path.abspath(__file__))
     return tuple(sorted(os.path.join(here, name) for name in os.listdir(here)
-                        if name.endswith(".py") and name[:-3] not in KERNEL_MODULES))
+                        if name.endswith(".py") and name[:-3] not in families))
 
 
 def _marker(factory: Callable[..., Any], key: tuple) -> str:

@@ -65,6 +65,16 @@ def test_a_row_of_minus_ones_in_sparse_mla():
     assert (q.grad[1] == 0).all() and torch.isfinite(kv.grad).all()
 
 
+def test_sparse_mla_without_slots():
+    """indices [T, 0]: every row is empty (o = 0, lse = -inf), and the gradients are zeros."""
+    x = make_inputs(5)
+    q, kv = x["q"].requires_grad_(), x["kv"].requires_grad_()
+    o, lse = dsa.sparse_mla(q, kv, torch.empty(5, 0, dtype=torch.int32), scale=0.3, d_v=16)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    o.sum().backward()
+    assert (q.grad == 0).all() and (kv.grad == 0).all()
+
+
 def test_one_token_sequences():
     """Every token alone: each attends to itself (o = its value row, lse = its own logit), and
     the loss is 0 (one selected key: both distributions are 1)."""

@@ -69,9 +69,22 @@ def test_parity_deepseek_dims(dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_parity_on_cuda(dtype):
-    """On a GPU the ops run their PyTorch kernels (no GPU kernels yet): the same bars."""
+    """On a GPU, at dims without a TileLang variant (D_qk 40), the ops run their PyTorch
+    kernels: the same bars."""
     errors = parity_errors(288, H=6, D_qk=40, d_v=32, H_idx=4, D_idx=16, topk=160,
                            cu_seqlens=[0, 200, 201, 288], dtype=dtype, seed=3, device="cuda")
     assert_within(errors, dtype)
     if dtype == torch.float64:
         assert errors["indices"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_parity_on_cuda_with_the_tilelang_forward(dtype):
+    """At D_qk = d_v = 64 the sparse MLA forward runs its TileLang kernel on an sm_90 GPU
+    (tests/test_tl_dsa_sparse_mla.py checks that it does); the layer's o, lse, loss and every
+    gradient (the backward's PyTorch kernel reads that o and lse) keep the same bars."""
+    errors = parity_errors(288, H=6, D_qk=64, d_v=64, H_idx=4, D_idx=16, topk=160,
+                           cu_seqlens=[0, 200, 201, 288], dtype=dtype, seed=3, device="cuda")
+    assert_within(errors, dtype)

@@ -8,8 +8,9 @@ sparse MLA attention, indexer KL loss) and its stages :func:`indexer_topk`, :fun
 ``k_idx [T, D_idx]``, ``w [T, H_idx]``, ``indices [T, k]``.
 
 Operators (``torch.ops.dsa.*``; functional, fixed arity, a fake and a plain-PyTorch kernel
-each, registered for every device: on CUDA it runs until a GPU kernel is registered for the
-op with ``register_kernel("cuda")``, same schema):
+each, registered for every device; an op with a GPU kernel registers it with
+``register_kernel("cuda")``, same schema, and keeps the PyTorch kernel where it does not
+apply):
 
 ============================  ==========================================  ====================
 op                            returns                                     backward op
@@ -29,6 +30,11 @@ kv, indices, lse, scale,                                                  scores
 coeff, reduction)``                                                       indices, dloss, coeff,
                                                                           reduction)`` -> dscores
 ============================  ==========================================  ====================
+
+GPU kernels: ``sparse_mla_fwd`` runs the TileLang kernel ``csrc_tl.dsa_sparse_mla_fwd`` on
+sm_90 for bf16 / fp16 data at (D_qk, d_v) = (576, 512), (192, 128) or (64, 64)
+(``torch_dplr/dsa/ops/sparse_mla.py`` decides, from shapes and dtypes only); docs/dsa.md lists
+which calls take it.
 
 Conventions (Megatron-LM's unfused DSA path where it defines one):
 

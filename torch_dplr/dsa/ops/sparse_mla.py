@@ -13,13 +13,20 @@ order, ``-1`` for an unused slot.  ``o [T, H, d_v]`` in q's dtype; ``lse [T, H]`
 log-sum-exp of ``scale · q · kv`` over the valid slots, fp32 (fp64 for fp64 inputs); a row
 without a valid slot gives ``o = 0`` and ``lse = -inf``.  The backward takes ``dlse`` (zeros when
 lse got no gradient) and returns ``dq``, ``dkv`` in their inputs' dtypes (fp32 accumulation).
+
+On CUDA the forward runs the TileLang kernel ``csrc_tl.dsa_sparse_mla_fwd`` where one is built
+(:func:`_tilelang_kernel`: bf16 / fp16, (D_qk, d_v) in its ``DIMS``, an sm_90 GPU); there an
+index outside ``[-1, T_kv)`` is not rejected (that would read the indices on the host) but
+counts as an empty slot.  Everything else, and the backward, runs the PyTorch kernel.
 """
 from torch import Tensor
 import torch
 
 from ...ops.chunked import without_autocast
+from ...ops.tilelang_path import KERNEL_DTYPES, tilelang_usable
 from ..reference import sparse_mla as ref
 from ..reference.layout import check_index_range
+from .kernels import kernel_for
 from .shapes import acc_dtype, allocate, sparse_mla_bwd_shapes, sparse_mla_fwd_shapes
 
 
@@ -47,6 +54,38 @@ sparse_mla_fwd = torch.library.custom_op("dsa::sparse_mla_fwd", mutates_args=())
 @sparse_mla_fwd.register_fake
 def _(q, kv, indices, scale, d_v):
     return allocate(sparse_mla_fwd_shapes(q, d_v), q.device)
+
+
+def _tilelang_kernel(q: Tensor, kv: Tensor, indices: Tensor, d_v: int):
+    """The TileLang kernel of this call, or None (the PyTorch kernel runs): q and kv bf16 or
+    fp16 of one dtype, int32 indices, at least one token, head, kv row and slot, a variant built
+    for its dims (``csrc_tl.dsa_sparse_mla_fwd.config_for``), an sm_90 GPU.  Shapes, dtypes and
+    the device only: no tensor value is read."""
+    if not (q.dtype in KERNEL_DTYPES and kv.dtype == q.dtype and indices.dtype == torch.int32
+            and q.numel() and kv.numel() and indices.shape[1] and tilelang_usable(q.device)):
+        return None
+    from csrc_tl.dsa_sparse_mla_fwd import config_for  # TileLang is importable (checked above)
+
+    config = config_for(q.shape[2], d_v, q.shape[1], q.dtype)
+    return None if config is None else kernel_for("dsa_sparse_mla_fwd", config)
+
+
+def _aligned(x: Tensor) -> Tensor:
+    """Contiguous and 16-byte aligned, as the kernel's cp.async needs: copied only when a view
+    starts elsewhere."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+@sparse_mla_fwd.register_kernel("cuda")
+@without_autocast
+def sparse_mla_fwd_cuda(q, kv, indices, scale, d_v):
+    kernel = _tilelang_kernel(q, kv, indices, d_v)
+    if kernel is None:
+        return sparse_mla_fwd_reference(q, kv, indices, scale, d_v)
+    o, lse = allocate(sparse_mla_fwd_shapes(q, d_v), q.device)
+    kernel(_aligned(q), _aligned(kv), indices.contiguous(), float(scale), o, lse)
+    return o, lse
 
 
 @without_autocast

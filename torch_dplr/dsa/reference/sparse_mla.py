@@ -33,6 +33,10 @@ def _block(q, kv, indices, t0, t1, scale):
 def sparse_mla_fwd(q, kv, indices, scale: float, d_v: int, o, lse, block_q: int):
     """``q [T, H, D]``, ``kv [T, D]`` in the compute dtype; writes ``o [T, H, d_v]`` and
     ``lse [T, H]``."""
+    if indices.shape[1] == 0:  # no slot at all: every row is the empty sum (amax has no identity)
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return
     T = q.shape[0]
     for t0 in range(0, T, block_q):
         t1 = min(T, t0 + block_q)
