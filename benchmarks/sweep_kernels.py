@@ -2,8 +2,10 @@
 over their schedule knobs, with the bytes each launch moves.
 
 Per (shape, chunk size, knobs) one JSON line: ``fwd`` (no states kept: the no-grad forward),
-``fwd_states`` (the training forward: also the state at every chunk start) and ``bwd`` (every
-gradient from the kept states), each in ms (:class:`benchmarks.timing.Timer`: CUDA events, L2
+``fwd_states`` (the training forward: also the state at every chunk start), ``bwd`` (every
+gradient from the kept states), and the split forward (``csrc_triton.state_sweep``) as
+``split`` / ``split_states`` with its halves ``tile_terms`` and ``state_walk`` timed alone (the
+bytes those move are what they read and write, the intermediates included), each in ms (:class:`benchmarks.timing.Timer`: CUDA events, L2
 flushed, median), with ``*_mb`` (compulsory traffic: every input read once, every output
 written once, in 1e6 bytes) and ``*_gbps``.  Inputs are the harness's (bf16, RWKV-7 gates,
 fp32 initial state, a declared bound: the centred scheme plus its exact pass).
@@ -28,7 +30,7 @@ from .timing import Timer
 
 SHAPES = {"design": Shape(8, 4096, 32, 64), "small": Shape(2, 4096, 8, 64),
           "long": Shape(1, 65536, 32, 64), "varlen": Shape(1, 32768, 32, 64, N=8)}
-MODES = ("fwd", "fwd_states", "bwd")
+MODES = ("fwd", "fwd_states", "bwd", "split", "split_states")
 
 
 def _mb(*tensors) -> float:
@@ -53,6 +55,12 @@ class SweepCase:
         self.flags = torch.empty(N, H, dtype=torch.int32, device="cuda")
         self.grads = [torch.empty_like(t) for t in self.tokens]
         self.dh0 = torch.empty_like(self.ht)
+        q, v = self.tokens[0], self.tokens[2]
+        # the split forward's intermediates: w, u, A_qk, A_qb, per-tile flags
+        self.terms = (torch.empty_like(q), torch.empty_like(v), q.new_empty(*q.shape[:3], 16),
+                      q.new_empty(*q.shape[:3], 16))
+        self.tile_flags = torch.empty(self.tables.chunk_start.shape[0] * (C // 16), H,
+                                      dtype=torch.int32, device="cuda")
 
     def traffic_mb(self, mode: str) -> float:
         reads = _mb(*self.tokens, self.h0)
@@ -60,7 +68,19 @@ class SweepCase:
             return reads + _mb(self.o, self.ht)
         if mode == "fwd_states":
             return reads + _mb(self.o, self.ht, self.states)
-        return reads + _mb(self.do, self.dht, self.states, *self.grads, self.dh0)
+        if mode == "bwd":
+            return reads + _mb(self.do, self.dht, self.states, *self.grads, self.dh0)
+        q, k, v, a, b, gk = self.tokens
+        if mode == "tile_terms":
+            return _mb(*self.tokens, *self.terms)
+        walk = _mb(q, k, v, b, gk, *self.terms, self.h0, self.o, self.ht)
+        if mode == "state_walk_states":
+            return walk + _mb(self.states)
+        if mode == "state_walk":
+            return walk
+        store = mode == "split_states"
+        return self.traffic_mb("tile_terms") + self.traffic_mb(
+            "state_walk_states" if store else "state_walk")
 
     def forward(self, store: bool, **knobs):
         from csrc_triton import chunk_fwd
@@ -68,11 +88,33 @@ class SweepCase:
                          self.o, self.ht, self.states, self.flags, 0.125, self.C, True, store,
                          True, False, **knobs)
 
+    def tile_terms(self, num_warps: int):
+        from csrc_triton import tile_terms
+        tile_terms.launch(*self.tokens, self.tables.chunk_start, self.tables.chunk_len,
+                          *self.terms, self.tile_flags, 0.125, self.C, True, num_warps=num_warps)
+
+    def state_walk(self, store: bool, num_warps: int, block_v: int, num_stages: int):
+        from csrc_triton import state_sweep
+        q, k, v, a, b, gk = self.tokens
+        state_sweep.launch(q, k, v, b, gk, *self.terms, self.h0, self.tables.cu_seqlens,
+                           self.tables.chunk_offsets, self.o, self.ht, self.states, self.flags,
+                           0.125, self.C, True, store, num_warps=num_warps, block_v=block_v,
+                           num_stages=num_stages)
+
+    def split(self, store: bool, num_warps: int, block_v: int, num_stages: int):
+        self.tile_terms(num_warps)
+        self.state_walk(store, num_warps, block_v, num_stages)
+
     def backward(self, workspace, num_warps: int):
         from csrc_triton import chunk_bwd
         chunk_bwd.launch(*self.tokens, self.states, self.do, self.dht, self.tables.cu_seqlens,
                          self.tables.chunk_offsets, self.flags, workspace, *self.grads, self.dh0,
                          0.125, self.C, True, True, True, False, num_warps=num_warps)
+
+
+def _record(rec: dict, name: str, ms: float, mb: float):
+    rec.update({f"{name}_ms": round(ms, 4), f"{name}_mb": round(mb, 1),
+                f"{name}_gbps": round(mb / ms, 1)})
 
 
 def run(shape_names, chunks, block_vs, warps, stages, modes, out=None, reps=15):
@@ -97,12 +139,20 @@ def run(shape_names, chunks, block_vs, warps, stages, modes, out=None, reps=15):
                                 H, case.flags.shape[0], C // 16, D, D), device="cuda")
                             case.forward(True, **knobs)
                             ms = timer.measure(lambda: case.backward(ws, nw)).ms
+                            _record(rec, mode, ms, case.traffic_mb(mode))
+                        elif mode.startswith("split"):
+                            store = mode == "split_states"
+                            walk = "state_walk_states" if store else "state_walk"
+                            timed = {mode: lambda: case.split(store, **knobs),
+                                     walk: lambda: case.state_walk(store, **knobs)}
+                            if first and "tile_terms_ms" not in rec:  # num_warps only
+                                timed["tile_terms"] = lambda: case.tile_terms(nw)
+                            for part, fn in timed.items():
+                                _record(rec, part, timer.measure(fn).ms, case.traffic_mb(part))
                         else:
                             store = mode == "fwd_states"
                             ms = timer.measure(lambda: case.forward(store, **knobs)).ms
-                        mb = case.traffic_mb(mode)
-                        rec.update({f"{mode}_ms": round(ms, 4), f"{mode}_mb": round(mb, 1),
-                                    f"{mode}_gbps": round(mb / ms, 1)})
+                            _record(rec, mode, ms, case.traffic_mb(mode))
                 except Exception as exc:  # noqa: BLE001  (a config that does not build)
                     rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 line = json.dumps(rec)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._common import round_to
-from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, load_tile, sequence_of,
+from .dplr_tile import (keep_chunk_state, walk_start, EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, load_tile, sequence_of,
                         tile_forward_terms, tile_rows, tile_state_step)
 
 BT_DEFAULT = 16
@@ -82,20 +82,12 @@ def _sweep(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out, scale
     could not take."""
     dtype: tl.constexpr = o.dtype.element_ty
     bos, eos, slot0 = sequence_of(cu_seqlens, chunk_offsets, i_n)
-    ck = tl.arange(0, K)
     cv = v0 + tl.arange(0, BV)
-    state_offsets = ck[:, None] * V + cv[None, :]
-    seq_state = (i_n * H + i_h) * K * V
-    if USE_H0:
-        h = tl.load(h0 + seq_state + state_offsets)
-    else:
-        h = tl.zeros([K, BV], dtype=tl.float32)
+    state_offsets, seq_state, h = walk_start(h0, i_n, i_h, H, K, V, v0, BV, USE_H0)
     misfits = 0
     for t in range(tl.cdiv(eos - bos, BT)):
         if STORE_H:
-            if t % TILES_PER_CHUNK == 0:
-                slot = slot0 + t // TILES_PER_CHUNK
-                tl.store(h_out + (slot * H + i_h) * K * V + state_offsets, h)
+            keep_chunk_state(h_out, h, t, slot0, i_h, H, K, V, state_offsets, TILES_PER_CHUNK)
         tok, valid = tile_rows(bos, eos, t, BT, REVERSE)
         q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K, V,
                                                  v0, BV)

@@ -60,19 +60,46 @@ def sequence_of(cu_seqlens, chunk_offsets, i_n):
 
 
 @triton.jit
+def walk_start(h0, i_n, i_h, H, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr,
+               USE_H0: tl.constexpr):
+    """A walk's state columns ``[v0, v0 + BV)`` of (sequence ``i_n``, head ``i_h``): their
+    offsets in a ``[K, V]`` state, the pair's state offset, and the start state (``h0``'s,
+    or zeros)."""
+    state_offsets = tl.arange(0, K)[:, None] * V + v0 + tl.arange(0, BV)[None, :]
+    seq_state = (i_n * H + i_h) * K * V
+    if USE_H0:
+        h = tl.load(h0 + seq_state + state_offsets)
+    else:
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    return state_offsets, seq_state, h
+
+
+@triton.jit
+def keep_chunk_state(h_out, h, t, slot0, i_h, H, K: tl.constexpr, V: tl.constexpr,
+                     state_offsets, TILES_PER_CHUNK: tl.constexpr):
+    """Store ``h`` as the state of its chunk slot when tile ``t`` starts a chunk."""
+    if t % TILES_PER_CHUNK == 0:
+        slot = slot0 + t // TILES_PER_CHUNK
+        tl.store(h_out + (slot * H + i_h) * K * V + state_offsets, h)
+
+
+@triton.jit
+def load_rows(x, tok, valid, i_h, H, D: tl.constexpr, d0, BD: tl.constexpr):
+    """Columns ``[d0, d0 + BD)`` of a ``[1, T, H, D]`` tensor at a tile's tokens, as fp32
+    ``[BT, BD]`` (rows past the end: 0)."""
+    offsets = (tok[:, None] * H + i_h) * D + d0 + tl.arange(0, BD)[None, :]
+    return tl.load(x + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K: tl.constexpr, V: tl.constexpr,
               v0, BV: tl.constexpr):
     """A tile's q, k, a, b, log2 gates ``[BT, K]`` and value columns ``[v0, v0 + BV)`` of v
     ``[BT, BV]``, as fp32 (rows past the end: 0)."""
-    row_k = (tok[:, None] * H + i_h) * K + tl.arange(0, K)[None, :]
-    row_v = (tok[:, None] * H + i_h) * V + v0 + tl.arange(0, BV)[None, :]
-    m = valid[:, None]
-    return (tl.load(q + row_k, mask=m, other=0.0).to(tl.float32),
-            tl.load(k + row_k, mask=m, other=0.0).to(tl.float32),
-            tl.load(a + row_k, mask=m, other=0.0).to(tl.float32),
-            tl.load(b + row_k, mask=m, other=0.0).to(tl.float32),
-            tl.load(gk + row_k, mask=m, other=0.0).to(tl.float32) * LOG2E,
-            tl.load(v + row_v, mask=m, other=0.0).to(tl.float32))
+    return (load_rows(q, tok, valid, i_h, H, K, 0, K), load_rows(k, tok, valid, i_h, H, K, 0, K),
+            load_rows(a, tok, valid, i_h, H, K, 0, K), load_rows(b, tok, valid, i_h, H, K, 0, K),
+            load_rows(gk, tok, valid, i_h, H, K, 0, K) * LOG2E,
+            load_rows(v, tok, valid, i_h, H, V, v0, BV))
 
 
 @triton.jit
@@ -205,6 +232,15 @@ def unit_lower_inverse(N, BT: tl.constexpr):
 
 
 @triton.jit
+def gated_operands(q, k, b, G, Gl, scale, dtype: tl.constexpr):
+    """``qg``, ``kg``, ``bg`` of a tile in ``dtype``: the state step's operands (the state
+    sweep forms them from q, k, b and the gates rather than reading them back)."""
+    to_end = tl.exp2(Gl[None, :] - G)
+    return (round_to(q * tl.exp2(G) * scale, dtype), round_to(k * to_end, dtype),
+            round_to(b * to_end, dtype))
+
+
+@triton.jit
 def tile_forward_terms(q, k, a, b, v, g, scale, dtype: tl.constexpr, EXACT: tl.constexpr,
                        BT: tl.constexpr):
     """Everything of a tile that does not depend on its start state, rounded as staged:
@@ -213,10 +249,7 @@ def tile_forward_terms(q, k, a, b, v, g, scale, dtype: tl.constexpr, EXACT: tl.c
     G, Ge, Gl, centre = gate_sums(g, BT)
     A_qk, A_qb, A_ak, A_ab = intra(q, k, a, b, G, Ge, Gl, centre, scale, EXACT, BT)
     Ainv = unit_lower_inverse(A_ab, BT)
-    to_end = tl.exp2(Gl[None, :] - G)
-    qg = round_to(q * tl.exp2(G) * scale, dtype)
-    kg = round_to(k * to_end, dtype)
-    bg = round_to(b * to_end, dtype)
+    qg, kg, bg = gated_operands(q, k, b, G, Gl, scale, dtype)
     ag = a * tl.exp2(Ge)
     zero_k = tl.zeros_like(q)
     zero_v = tl.zeros_like(v)

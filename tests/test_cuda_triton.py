@@ -118,3 +118,38 @@ def test_opcheck_recurrent_ops_on_kernel_shapes():
     dht = torch.randn(2, 2, 32, 32, device="cuda")
     torch.library.opcheck(torch.ops.dplr.recurrent_bwd.default,
                           (*args, cu, do, dht, 0.5, True, True, True))
+
+
+@pytest.mark.parametrize("cu,gate_scale", [(None, 1.0), ([0, 5, 1500, 1501, 4096], 100.0)])
+def test_split_forward_matches_the_sweep(cu, gate_scale):
+    """The split forward (every tile's terms in parallel, then the state walk) against the
+    one-sweep forward on the GPU: the same o, final state, kept states and flags, a broken
+    bound included."""
+    from csrc_triton import chunk_fwd, state_sweep
+    from torch_dplr.ops.varlen import as_one_sequence_list as flat
+    from torch_dplr.ops.varlen import kernel_tables
+    B = 2 if cu is None else 1
+    x = _case(B, 4096 // B, 16, 64, cu, gate_scale=gate_scale, seed=7)
+    x["gk"][:, ::301, :, ::13] = -1e4
+    tokens = [flat(x[n]) for n in "q k v a b gk".split()]
+    cu_t = torch.empty(0, dtype=torch.int64, device="cuda") if cu is None else torch.tensor(
+        cu, device="cuda")
+    tb = kernel_tables(cu_t, B, 4096 // B, 64, "cuda")
+    N = tb.cu_seqlens.numel() - 1
+    results = []
+    for run in ("sweep", "split"):
+        o, ht = torch.empty_like(tokens[2]), torch.empty(N, 16, 64, 64, device="cuda")
+        h = torch.zeros(1, tb.chunk_start.numel(), 16, 64, 64, device="cuda")
+        flags = torch.full((N, 16), -1, dtype=torch.int32, device="cuda")
+        args = (x["initial_state"],)
+        if run == "sweep":
+            chunk_fwd.launch(*tokens, *args, tb.cu_seqlens, tb.chunk_offsets, o, ht, h, flags,
+                             0.125, 64, True, True, True)
+        else:
+            state_sweep.split_forward(*tokens, *args, tb, o, ht, h, flags, 0.125, 64, True,
+                                      True, True)
+        results.append((o, ht, h, flags))
+    (o, ht, h, flags), (o2, ht2, h2, flags2) = results
+    assert torch.equal(flags, flags2) and (flags > 0).any()
+    for name, got, want in (("o", o2, o), ("ht", ht2, ht), ("states", h2, h)):
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < 1e-5, name

@@ -122,8 +122,10 @@ def _run_kernel(cfg, inp, grads, cu, scale):
 
 def _check(cfg, inp, grads, cu, scale, dtype):
     outs = _run_kernel(cfg, inp, grads, cu, scale)
-    ref = chunk_intra_bwd_reference(inp["q"], inp["k"], inp["a"], inp["b"], inp["gk"], cu,
-                                    *(grads[n] for n in GRAD_NAMES), scale, cfg["C"], float("-inf"))
+    q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
+    gl = chunk_intra_fwd_reference(q, k, a, b, gk, cu, scale, cfg["C"], float("-inf"))[0]
+    ref = chunk_intra_bwd_reference(q, k, a, b, gk, cu, gl, *(grads[n] for n in GRAD_NAMES),
+                                    scale, cfg["C"], float("-inf"))
     errors = {}
     for name, out, r in zip(OUT_NAMES, outs, ref):
         assert out.dtype == r.dtype and out.shape == r.shape, name

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def variants():
     """(kernel, pointer dtypes, constexprs): the sweep's three schemes at chunks 16 and 64,
-    forward (also in value blocks) and backward, and the per-token kernel (functional, pool-indexed, and flagged)."""
+    forward (also in value blocks) and backward, the split forward's two halves, and the
+    per-token kernel (functional, pool-indexed, and flagged)."""
     p, f = "*bf16", "*fp32"
     fwd = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h0=f, cu_seqlens="*i32", chunk_offsets="*i32",
                o=p, ht=f, h_out=f, flags="*i32", scale="fp32", H="i32")
@@ -33,6 +34,15 @@ def variants():
     for mode, tiles, reverse in ((0, 4, False), (1, 4, False), (2, 1, True)):
         yield "chunk_bwd", bwd, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=tiles,
                                      USE_DHT=True, WRITE_DH0=True, MODE=mode, REVERSE=reverse)
+    terms = dict(q=p, k=p, v=p, a=p, b=p, gk=f, chunk_start="*i32", chunk_len="*i32", w_out=p,
+                 u_out=p, A_qk_out=p, A_qb_out=p, tile_flags="*i32", scale="fp32", H="i32")
+    for mode in (0, 1, 2):
+        yield "tile_terms", terms, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=4, MODE=mode)
+    walk = dict(q=p, k=p, v=p, b=p, gk=f, w=p, u=p, A_qk=p, A_qb=p, h0=f, cu_seqlens="*i32",
+                chunk_offsets="*i32", o=p, ht=f, h_out=f, flags="*i32", scale="fp32", H="i32")
+    for bv in (64, 32):
+        yield "state_sweep", walk, dict(K=64, V=64, BV=bv, BT=16, TILES_PER_CHUNK=4,
+                                        USE_H0=True, STORE_H=True)
     for indexed, flagged in ((False, False), (True, False), (False, True)):
         yield "recurrent", rec, dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=indexed,
                                      REVERSE=False, FLAGGED=flagged)
@@ -47,7 +57,9 @@ def compile_all():
     from triton.compiler import ASTSource
     kernels = {"chunk_fwd": ("csrc_triton.chunk_fwd", "chunk_fwd_kernel", 4),
                "chunk_bwd": ("csrc_triton.chunk_bwd", "chunk_bwd_kernel", 4),
-               "recurrent": ("csrc_triton.recurrent", "recurrent_fwd_kernel", 4)}
+               "recurrent": ("csrc_triton.recurrent", "recurrent_fwd_kernel", 4),
+               "tile_terms": ("csrc_triton.tile_terms", "tile_terms_kernel", 1),
+               "state_sweep": ("csrc_triton.state_sweep", "state_sweep_kernel", 4)}
     for name, pointers, constexprs in variants():
         module, attr, warps = kernels[name]
         fn = getattr(importlib.import_module(module), attr)

@@ -109,8 +109,10 @@ def test_broken_bound_is_redone_exactly(kernels, options):
     _assert_within(outs, grads, *_oracle(x, cu, do, dht), torch.bfloat16)
 
 
-def _forward(chunk_fwd, x, C, cu, bounded, reverse=False, **knobs):
-    """The sweep forward alone (training: states kept); returns o, ht, states, flags."""
+def _forward(chunk_fwd, x, C, cu, bounded, reverse=False, split=False, **knobs):
+    """The sweep forward alone (training: states kept), or with ``split`` the split forward
+    (``csrc_triton.state_sweep``: tile terms, then the state walk); returns o, ht, states,
+    flags."""
     from torch_dplr.ops.varlen import as_one_sequence_list as flat
     from torch_dplr.ops.varlen import kernel_tables
     q, k, v, a, b, gk, h0 = (x[n] for n in "q k v a b gk initial_state".split())
@@ -121,9 +123,14 @@ def _forward(chunk_fwd, x, C, cu, bounded, reverse=False, **knobs):
     o, ht = torch.empty_like(v), torch.empty(N, H, K, K)
     h = torch.zeros(1, tb.chunk_start.numel(), H, K, K)  # a spare last slot stays unwritten
     flags = torch.full((N, H), -1, dtype=torch.int32)
-    chunk_fwd.launch(*(flat(t) for t in (q, k, v, a, b, gk)), h0, tb.cu_seqlens,
-                     tb.chunk_offsets, flat(o), ht, h, flags, K ** -0.5, C, True, True, bounded,
-                     reverse, **knobs)
+    tokens = [flat(t) for t in (q, k, v, a, b, gk)]
+    if split:
+        from csrc_triton import state_sweep
+        state_sweep.split_forward(*tokens, h0, tb, flat(o), ht, h, flags, K ** -0.5, C, True,
+                                  True, bounded, **knobs)
+    else:
+        chunk_fwd.launch(*tokens, h0, tb.cu_seqlens, tb.chunk_offsets, flat(o), ht, h, flags,
+                         K ** -0.5, C, True, True, bounded, reverse, **knobs)
     return o, ht, h, flags
 
 
@@ -141,6 +148,28 @@ def test_forward_schedules_agree(kernels, knobs, reverse):
         assert rms_ratio(got, want) < 1e-5, name
     with pytest.raises(ValueError, match="block_v=12"):
         _forward(kernels[0], x, 32, cu, True, reverse, block_v=12)
+
+
+@pytest.mark.parametrize("case", [
+    (1, 130, [0, 3, 64, 130], 32, dict(spikes=True), True),  # a broken bound, varlen
+    (2, 70, None, 64, {}, True),
+    (1, 100, None, 16, dict(gates="unbounded"), False),
+    (1, 100, None, 32, dict(gate_scale=100.0), True),
+])
+def test_split_forward_is_the_sweep(kernels, case):
+    """Tile terms in parallel, then the state walk: bit for bit the one-sweep forward's o,
+    final state, kept states and (with a bound, where the backward reads them) flags: the
+    same terms, rounded at the same points."""
+    B, T, cu, C, options, bounded = case
+    x = _inputs(B, T, 2, 32, cu, **options)
+    want = _forward(kernels[0], x, C, cu, bounded)
+    got = _forward(kernels[0], x, C, cu, bounded, split=True)
+    for name, g, w in list(zip(("o", "ht", "states", "flags"), got, want))[:4 if bounded else 3]:
+        assert torch.equal(g, w), name
+    if options.get("spikes") or options.get("gate_scale"):
+        assert (got[3] > 0).any()
+    blocks = _forward(kernels[0], x, C, cu, bounded, split=True, block_v=16)
+    assert rms_ratio(blocks[0], want[0]) < 1e-5
 
 
 def test_sweep_schemes_agree_where_both_apply(kernels):

@@ -1,0 +1,121 @@
+"""The serial half of the split forward: the state step of every tile, in order.
+
+One program per (value block, head, sequence) walks the sequence in 16-row tiles with its fp32
+state columns ``[K, BV]`` in registers, as ``csrc_triton.chunk_fwd`` does, but the tile's
+state-free terms come precomputed (:mod:`csrc_triton.tile_terms`: ``w``, ``u``, ``A_qk``,
+``A_qb``), so each step is only ``v_new = u + w h``, ``o = qg h + A_qk v + A_qb v_new`` and
+``h' = 2^Gl h + kgᵀ v + bgᵀ v_new``.  ``qg``, ``kg``, ``bg`` and the decay are formed here from
+q, k, b and the gates (:func:`csrc_triton.dplr_tile.gated_operands`, the rounding of the
+one-sweep kernel): re-reading q, k, b, gk costs less than writing and reading them back.  At
+the start of every chunk of ``C`` rows it writes the state when ``STORE_H``.
+
+HBM traffic (bytes per token and head, bf16 data, fp32 gates, D = K = V, one value block)::
+
+    read   q k b v w u: 6 · 2D     gk: 4D     A_qk A_qb: 2 · 2 · 16
+    write  o: 2D                   states: 4·D·D / C   (STORE_H)
+
+At B8 T4096 H32 D64, chunk 64: 872 MB read, 134 MB of o and 268 MB of states written.
+
+``flags`` (int32 ``[N, H]``) receives per (sequence, head) the number of tiles whose gates
+broke the centred scheme's range, as ``chunk_fwd``'s ``FAST`` pass writes it, so that
+``csrc_triton.chunk_bwd`` can run after this forward.
+
+Measured (``python -m benchmarks.sweep_kernels --shapes design,small --stages 1,2,3 --modes
+split``, H200, 4 warps, one value block): 1.30 / 1.05 / 0.96 ms at B8 T4096 H32 D64 for
+``num_stages`` 1 / 2 / 3 (the pipeliner prefetches the next tile's loads), 1.09 / 0.80 /
+0.71 ms at B2 T4096 H8: 256 serial 16-row steps cost more than the forward's target on their
+own (``docs/training_dataflow.md``).
+
+Signature (caller-allocated outputs; token tensors flattened to one sequence list)::
+
+    state_sweep(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, ht, h,
+                flags, scale)
+
+Shapes as in ``chunk_fwd`` and ``tile_terms``.
+"""
+import triton
+import triton.language as tl
+
+from . import tile_terms
+from ._common import round_to
+from .dplr_tile import (keep_chunk_state, walk_start, LOG2E, centred_fits, gate_sums, gated_operands, load_rows, sequence_of,
+                        tile_rows, tile_state_step)
+
+BT = 16
+
+
+def grid(num_heads: int, num_seqs: int, value_blocks: int = 1):
+    return (value_blocks, num_heads, num_seqs)
+
+
+@triton.jit
+def state_sweep_kernel(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, ht,
+                       h_out, flags, scale, H, K: tl.constexpr, V: tl.constexpr,
+                       BV: tl.constexpr, BT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr,
+                       USE_H0: tl.constexpr, STORE_H: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.program_id(2)
+    dtype: tl.constexpr = o.dtype.element_ty
+    v0 = i_v * BV
+    bos, eos, slot0 = sequence_of(cu_seqlens, chunk_offsets, i_n)
+    cv = v0 + tl.arange(0, BV)
+    state_offsets, seq_state, h = walk_start(h0, i_n, i_h, H, K, V, v0, BV, USE_H0)
+    misfits = 0
+    for t in range(tl.cdiv(eos - bos, BT)):
+        if STORE_H:
+            keep_chunk_state(h_out, h, t, slot0, i_h, H, K, V, state_offsets, TILES_PER_CHUNK)
+        tok, valid = tile_rows(bos, eos, t, BT, False)
+        g_t = load_rows(gk, tok, valid, i_h, H, K, 0, K) * LOG2E
+        G, _Ge, Gl, centre = gate_sums(g_t, BT)
+        misfits += tl.where(centred_fits(Gl, centre), 0, 1)
+        qg, kg, bg = gated_operands(load_rows(q, tok, valid, i_h, H, K, 0, K),
+                                    load_rows(k, tok, valid, i_h, H, K, 0, K),
+                                    load_rows(b, tok, valid, i_h, H, K, 0, K), G, Gl, scale,
+                                    dtype)
+        w_t = load_rows(w, tok, valid, i_h, H, K, 0, K).to(dtype)
+        u_t = load_rows(u, tok, valid, i_h, H, V, v0, BV).to(dtype)
+        A_qk_t = load_rows(A_qk, tok, valid, i_h, H, BT, 0, BT).to(dtype)
+        A_qb_t = load_rows(A_qb, tok, valid, i_h, H, BT, 0, BT).to(dtype)
+        v_t = load_rows(v, tok, valid, i_h, H, V, v0, BV)
+        o_t, _v_new, h = tile_state_step(h, qg, kg, bg, w_t, u_t, A_qk_t, A_qb_t, Gl, v_t,
+                                         valid, dtype)
+        row_v = (tok[:, None] * H + i_h) * V + cv[None, :]
+        tl.store(o + row_v, round_to(o_t, dtype), mask=valid[:, None])
+    tl.store(ht + seq_state + state_offsets, h)
+    if i_v == 0:
+        tl.store(flags + i_n * H + i_h, misfits)
+
+
+def launch(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, ht, h, flags,
+           scale: float, chunk_size: int, use_h0: bool, store_h: bool, num_warps: int = 4,
+           block_v: int = 0, num_stages: int = 1):
+    """The state walk over precomputed tile terms; ``block_v`` (0: all of V) splits the value
+    columns over programs (exact: o, v_new and the state are column-separable)."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    BV = block_v or V
+    if V % BV:
+        raise ValueError(f"block_v={block_v} must divide the value head dim {V}")
+    state_sweep_kernel[grid(H, N, V // BV)](
+        q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, ht, h, flags, scale,
+        H=H, K=K, V=V, BV=BV, BT=BT, TILES_PER_CHUNK=chunk_size // BT, USE_H0=use_h0,
+        STORE_H=store_h, num_warps=num_warps, num_stages=num_stages)
+
+
+def split_forward(q, k, v, a, b, gk, h0, tables, o, ht, h, flags, scale: float, chunk_size: int,
+                  use_h0: bool, store_h: bool, bounded: bool, num_warps: int = 4,
+                  block_v: int = 0):
+    """The forward of ``chunk_fwd.launch`` (forward walk) as the two halves: every tile's
+    terms in parallel (:mod:`csrc_triton.tile_terms`, into buffers allocated here, freed when
+    this returns), then the state walk.  ``tables``: the call's ``KernelTables`` at
+    ``chunk_size``."""
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
+    slots = tables.chunk_start.shape[0]
+    w, u = q.new_empty(1, T, H, K), v.new_empty(1, T, H, V)
+    A_qk, A_qb = q.new_empty(1, T, H, BT), q.new_empty(1, T, H, BT)
+    tile_flags = flags.new_empty(slots * (chunk_size // BT), H)
+    tile_terms.launch(q, k, v, a, b, gk, tables.chunk_start, tables.chunk_len, w, u, A_qk, A_qb,
+                      tile_flags, scale, chunk_size, bounded, num_warps=num_warps)
+    launch(q, k, v, b, gk, w, u, A_qk, A_qb, h0, tables.cu_seqlens, tables.chunk_offsets, o, ht,
+           h, flags, scale, chunk_size, use_h0, store_h, num_warps=num_warps, block_v=block_v)
