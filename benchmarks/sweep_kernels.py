@@ -4,14 +4,17 @@ over their schedule knobs, with the bytes each launch moves.
 Per (shape, chunk size, knobs) one JSON line: ``fwd`` (no states kept: the no-grad forward),
 ``fwd_states`` (the training forward: also the state at every chunk start), ``bwd`` (every
 gradient from the kept states), and the split forward (``csrc_triton.state_sweep``) as
-``split`` / ``split_states`` with its halves ``tile_terms`` and ``state_walk`` timed alone (the
-bytes those move are what they read and write, the intermediates included), each in ms (:class:`benchmarks.timing.Timer`: CUDA events, L2
-flushed, median), with ``*_mb`` (compulsory traffic: every input read once, every output
-written once, in 1e6 bytes) and ``*_gbps``.  Inputs are the harness's (bf16, RWKV-7 gates,
-fp32 initial state, a declared bound: the centred scheme plus its exact pass).
+``split`` / ``split_states`` with its halves ``tile_terms`` and ``state_walk`` timed alone,
+each in ms (:class:`benchmarks.timing.Timer`: CUDA events, L2 flushed, median), with ``*_mb``
+(the bytes each launch must move: every input read once, every output written once, the split's
+intermediates included, in 1e6 bytes) and ``*_gbps``.  Knobs: value blocks, warps, pipeline
+stages and ``--state-split`` (1: the state and v_new enter products as hi/lo pairs, 0: rounded
+once to bf16).  Inputs are the harness's (bf16, RWKV-7 gates, fp32 initial state, a declared
+bound: the centred scheme plus its exact pass).
 
     python -m benchmarks.sweep_kernels --out benchmarks/results/h200-sweep.jsonl
     python -m benchmarks.sweep_kernels --shapes design --block-v 64,32,16 --warps 4,2
+    python -m benchmarks.sweep_kernels --shapes design,small --stages 1,3 --state-split 1,0
 """
 from __future__ import annotations
 
@@ -93,23 +96,26 @@ class SweepCase:
         tile_terms.launch(*self.tokens, self.tables.chunk_start, self.tables.chunk_len,
                           *self.terms, self.tile_flags, 0.125, self.C, True, num_warps=num_warps)
 
-    def state_walk(self, store: bool, num_warps: int, block_v: int, num_stages: int):
+    def state_walk(self, store: bool, num_warps: int, block_v: int, num_stages: int,
+                   state_split: bool):
         from csrc_triton import state_sweep
         q, k, v, a, b, gk = self.tokens
         state_sweep.launch(q, k, v, b, gk, *self.terms, self.h0, self.tables.cu_seqlens,
                            self.tables.chunk_offsets, self.o, self.ht, self.states, self.flags,
                            0.125, self.C, True, store, num_warps=num_warps, block_v=block_v,
-                           num_stages=num_stages)
+                           num_stages=num_stages, state_split=state_split)
 
-    def split(self, store: bool, num_warps: int, block_v: int, num_stages: int):
+    def split(self, store: bool, num_warps: int, block_v: int, num_stages: int,
+              state_split: bool):
         self.tile_terms(num_warps)
-        self.state_walk(store, num_warps, block_v, num_stages)
+        self.state_walk(store, num_warps, block_v, num_stages, state_split)
 
-    def backward(self, workspace, num_warps: int):
+    def backward(self, workspace, num_warps: int, num_stages: int, state_split: bool):
         from csrc_triton import chunk_bwd
         chunk_bwd.launch(*self.tokens, self.states, self.do, self.dht, self.tables.cu_seqlens,
                          self.tables.chunk_offsets, self.flags, workspace, *self.grads, self.dh0,
-                         0.125, self.C, True, True, True, False, num_warps=num_warps)
+                         0.125, self.C, True, True, True, False, num_warps=num_warps,
+                         num_stages=num_stages, state_split=state_split)
 
 
 def _record(rec: dict, name: str, ms: float, mb: float):
@@ -117,17 +123,20 @@ def _record(rec: dict, name: str, ms: float, mb: float):
                 f"{name}_gbps": round(mb / ms, 1)})
 
 
-def run(shape_names, chunks, block_vs, warps, stages, modes, out=None, reps=15):
+def run(shape_names, chunks, block_vs, warps, stages, splits, modes, out=None, reps=15):
     timer = Timer("cuda", reps=reps, warmup=2, cap_s=3.0)
     for name in shape_names:
         shape = SHAPES[name]
         for C in chunks:
             case = SweepCase(shape, C)
-            for bv, nw, ns in itertools.product(block_vs, warps, stages):
-                rec = dict(shape=shape.label, chunk=C, block_v=bv, num_warps=nw, num_stages=ns)
-                knobs = dict(num_warps=nw, block_v=bv, num_stages=ns)
-                # the backward takes num_warps only: timed once per value of it
-                first = (bv, ns) == (block_vs[0], stages[0])
+            for bv, nw, ns, ss in itertools.product(block_vs, warps, stages, splits):
+                rec = dict(shape=shape.label, chunk=C, block_v=bv, num_warps=nw, num_stages=ns,
+                           state_split=bool(ss))
+                knobs = dict(num_warps=nw, block_v=bv, num_stages=ns, state_split=bool(ss))
+                # the backward has no value blocks and the tile terms only warps: timed for
+                # the first block_v (the tile terms: also the first stages and split)
+                first = bv == block_vs[0]
+                terms_first = first and (ns, ss) == (stages[0], splits[0])
                 try:
                     for mode in modes:
                         if mode == "bwd" and not first:
@@ -138,14 +147,14 @@ def run(shape_names, chunks, block_vs, warps, stages, modes, out=None, reps=15):
                             ws = torch.empty(chunk_bwd.workspace_shape(
                                 H, case.flags.shape[0], C // 16, D, D), device="cuda")
                             case.forward(True, **knobs)
-                            ms = timer.measure(lambda: case.backward(ws, nw)).ms
+                            ms = timer.measure(lambda: case.backward(ws, nw, ns, bool(ss))).ms
                             _record(rec, mode, ms, case.traffic_mb(mode))
                         elif mode.startswith("split"):
                             store = mode == "split_states"
                             walk = "state_walk_states" if store else "state_walk"
                             timed = {mode: lambda: case.split(store, **knobs),
                                      walk: lambda: case.state_walk(store, **knobs)}
-                            if first and "tile_terms_ms" not in rec:  # num_warps only
+                            if terms_first and "tile_terms_ms" not in rec:
                                 timed["tile_terms"] = lambda: case.tile_terms(nw)
                             for part, fn in timed.items():
                                 _record(rec, part, timer.measure(fn).ms, case.traffic_mb(part))
@@ -176,6 +185,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-v", default="0", help="V columns per program (0: all)")
     parser.add_argument("--warps", default="4")
     parser.add_argument("--stages", default="1")
+    parser.add_argument("--state-split", default="1",
+                        help="1: state and v_new as hi/lo pairs in products, 0: rounded once")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {list(MODES)}")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
@@ -188,7 +199,7 @@ def main(argv=None) -> int:
     for bad in set(modes) - set(MODES):
         parser.error(f"--modes: unknown mode {bad!r}")
     run(shapes, _ints(args.chunks), _ints(args.block_v), _ints(args.warps), _ints(args.stages),
-        modes, args.out)
+        _ints(args.state_split), modes, args.out)
     return 0
 
 

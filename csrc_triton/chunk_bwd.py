@@ -51,7 +51,8 @@ def chunk_bwd_kernel(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offs
                      workspace, dq, dk, dv, da, db, dgk, dh0, scale,
                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      TILES_PER_CHUNK: tl.constexpr, USE_DHT: tl.constexpr,
-                     WRITE_DH0: tl.constexpr, MODE: tl.constexpr, REVERSE: tl.constexpr):
+                     WRITE_DH0: tl.constexpr, MODE: tl.constexpr, REVERSE: tl.constexpr,
+                     STATE_SPLIT: tl.constexpr):
     i_h = tl.program_id(0)
     i_n = tl.program_id(1)
     # FAST leaves the pairs the forward flagged to EXACT_FLAGGED
@@ -64,7 +65,7 @@ def chunk_bwd_kernel(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offs
     if run:
         _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offsets,
                        workspace, dq, dk, dv, da, db, dgk, dh0, scale, i_h, i_n, H, K, V, BT,
-                       TILES_PER_CHUNK, USE_DHT, WRITE_DH0, MODE != FAST, REVERSE)
+                       TILES_PER_CHUNK, USE_DHT, WRITE_DH0, MODE != FAST, REVERSE, STATE_SPLIT)
 
 
 @triton.jit
@@ -72,7 +73,8 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
                    dq, dk, dv, da, db, dgk, dh0, scale, i_h, i_n, H,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    TILES_PER_CHUNK: tl.constexpr, USE_DHT: tl.constexpr,
-                   WRITE_DH0: tl.constexpr, EXACT: tl.constexpr, REVERSE: tl.constexpr):
+                   WRITE_DH0: tl.constexpr, EXACT: tl.constexpr, REVERSE: tl.constexpr,
+                   STATE_SPLIT: tl.constexpr):
     dtype: tl.constexpr = dq.dtype.element_ty
     C: tl.constexpr = BT * TILES_PER_CHUNK
     bos, eos, slot0 = sequence_of(cu_seqlens, chunk_offsets, i_n)
@@ -104,7 +106,7 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
                  _centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype,
                                                EXACT, BT)
                 _o, _vn, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid,
-                                             dtype)
+                                             dtype, STATE_SPLIT)
                 tl.store(ws + (t - t_first) * K * V + state_offsets, h)
             tl.debug_barrier()
         for tr in range(t_end - t_first):
@@ -121,7 +123,8 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
             m = valid[:, None]
             do_t = tl.load(do + row_v, mask=m, other=0.0).to(tl.float32)
             dq_t, dk_t, dv_t, da_t, db_t, dg_t, dh = tile_backward(
-                q_t, k_t, a_t, b_t, v_t, g_t, do_t, h, dh, valid, scale, dtype, EXACT, BT)
+                q_t, k_t, a_t, b_t, v_t, g_t, do_t, h, dh, valid, scale, dtype, EXACT, BT,
+                STATE_SPLIT)
             tl.store(dq + row_k, round_to(dq_t, dtype), mask=m)
             tl.store(dk + row_k, round_to(dk_t, dtype), mask=m)
             tl.store(da + row_k, round_to(da_t, dtype), mask=m)
@@ -136,8 +139,10 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
 
 def launch(q, k, v, a, b, gk, h, do, dht, cu_seqlens, chunk_offsets, flags, workspace,
            dq, dk, dv, da, db, dgk, dh0, scale: float, chunk_size: int, use_dht: bool,
-           write_dh0: bool, bounded: bool, reverse: bool = False, num_warps: int = 4):
-    """Run the backward on flattened tensors, in the forward's schemes (its ``flags``)."""
+           write_dh0: bool, bounded: bool, reverse: bool = False, num_warps: int = 4,
+           num_stages: int = 1, state_split: bool = True):
+    """Run the backward on flattened tensors, in the forward's schemes (its ``flags``);
+    ``state_split`` as in ``chunk_fwd.launch`` (pass the forward's)."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     N = cu_seqlens.shape[0] - 1
     modes = (FAST.value, EXACT_FLAGGED.value) if bounded else (EXACT_ALL.value,)
@@ -147,4 +152,5 @@ def launch(q, k, v, a, b, gk, h, do, dht, cu_seqlens, chunk_offsets, flags, work
                                      H=H, K=K, V=V, BT=BT_DEFAULT,
                                      TILES_PER_CHUNK=chunk_size // BT_DEFAULT,
                                      USE_DHT=use_dht, WRITE_DH0=write_dh0, MODE=mode,
-                                     REVERSE=reverse, num_warps=num_warps, num_stages=1)
+                                     REVERSE=reverse, STATE_SPLIT=state_split,
+                                     num_warps=num_warps, num_stages=num_stages)

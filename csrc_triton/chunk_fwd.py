@@ -55,7 +55,8 @@ def grid(num_heads: int, num_seqs: int, value_blocks: int = 1):
 def chunk_fwd_kernel(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out, flags,
                      scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                      BT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, USE_H0: tl.constexpr,
-                     STORE_H: tl.constexpr, MODE: tl.constexpr, REVERSE: tl.constexpr):
+                     STORE_H: tl.constexpr, MODE: tl.constexpr, REVERSE: tl.constexpr,
+                     STATE_SPLIT: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.program_id(2)
@@ -67,7 +68,7 @@ def chunk_fwd_kernel(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_
     if run:
         misfits = _sweep(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out,
                          scale, i_v * BV, i_h, i_n, H, K, V, BV, BT, TILES_PER_CHUNK, USE_H0,
-                         STORE_H, MODE != FAST, REVERSE)
+                         STORE_H, MODE != FAST, REVERSE, STATE_SPLIT)
         if MODE == FAST:
             # every value block of a (sequence, head) sees the same gates: the same count
             tl.store(flag, misfits)
@@ -77,7 +78,7 @@ def chunk_fwd_kernel(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_
 def _sweep(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out, scale, v0, i_h, i_n,
            H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
            TILES_PER_CHUNK: tl.constexpr, USE_H0: tl.constexpr, STORE_H: tl.constexpr,
-           EXACT: tl.constexpr, REVERSE: tl.constexpr):
+           EXACT: tl.constexpr, REVERSE: tl.constexpr, STATE_SPLIT: tl.constexpr):
     """One (value block, head, sequence)'s walk; returns how many tiles the centred scheme
     could not take."""
     dtype: tl.constexpr = o.dtype.element_ty
@@ -94,7 +95,8 @@ def _sweep(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out, scale
         (qg, kg, bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,
          centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype, EXACT, BT)
         misfits += tl.where(centred_fits(Gl, centre), 0, 1)
-        o_t, _v_new, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid, dtype)
+        o_t, _v_new, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid, dtype,
+                                         STATE_SPLIT)
         row_v = (tok[:, None] * H + i_h) * V + cv[None, :]
         tl.store(o + row_v, round_to(o_t, dtype), mask=valid[:, None])
     tl.store(ht + seq_state + state_offsets, h)
@@ -103,12 +105,15 @@ def _sweep(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h_out, scale
 
 def launch(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h, flags, scale: float,
            chunk_size: int, use_h0: bool, store_h: bool, bounded: bool, reverse: bool = False,
-           num_warps: int = 4, block_v: int = 0, num_stages: int = 1):
+           num_warps: int = 4, block_v: int = 0, num_stages: int = 1, state_split: bool = True):
     """Run the forward on flattened ``[1, T, H, D]`` tensors: ``FAST`` then ``EXACT_FLAGGED``
     for a call with a declared gate bound (``bounded``), ``EXACT_ALL`` otherwise.  ``flags``
     (int32 ``[N, H]``) is left as the backward must read it.  ``block_v`` (0: all of V) splits
     the value columns over programs: each recomputes the tile's key-side terms, and more
-    programs fill the SMs when sequences x heads are few."""
+    programs fill the SMs when sequences x heads are few.  ``state_split`` False rounds the
+    state and v_new once to the data dtype in their products instead of taking them as hi/lo
+    pairs (:func:`csrc_triton.dplr_tile.tile_state_step`): fewer products, a less accurate
+    state."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     N = cu_seqlens.shape[0] - 1
     BV = block_v or V
@@ -121,5 +126,5 @@ def launch(q, k, v, a, b, gk, h0, cu_seqlens, chunk_offsets, o, ht, h, flags, sc
                                               BT=BT_DEFAULT,
                                               TILES_PER_CHUNK=chunk_size // BT_DEFAULT,
                                               USE_H0=use_h0, STORE_H=store_h, MODE=mode,
-                                              REVERSE=reverse,
+                                              REVERSE=reverse, STATE_SPLIT=state_split,
                                               num_warps=num_warps, num_stages=num_stages)

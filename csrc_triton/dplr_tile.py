@@ -115,16 +115,24 @@ def col_of(x, cols, j):
 
 
 @triton.jit
-def split_hi_lo(x, dtype: tl.constexpr):
-    """``x ≈ hi + lo`` as two tiles of ``dtype`` (an fp32 value to about 2^-16 relative)."""
+def split_hi_lo(x, dtype: tl.constexpr, SPLIT: tl.constexpr = True):
+    """``x ≈ hi + lo`` as two tiles of ``dtype`` (an fp32 value to about 2^-16 relative);
+    without ``SPLIT`` only ``hi`` (returned twice: :func:`dot2` then reads it once)."""
     hi = round_to(x, dtype)
-    return hi, round_to(x - hi.to(tl.float32), dtype)
+    if SPLIT:
+        return hi, round_to(x - hi.to(tl.float32), dtype)
+    else:
+        return hi, hi
 
 
 @triton.jit
-def dot2(x, y_hi, y_lo, acc):
-    """``acc + x (y_hi + y_lo)``: a product with a split fp32 right factor."""
-    return dot(x, y_lo, dot(x, y_hi, acc))
+def dot2(x, y_hi, y_lo, acc, SPLIT: tl.constexpr = True):
+    """``acc + x (y_hi + y_lo)``: a product with a split fp32 right factor (without
+    ``SPLIT``: ``acc + x y_hi``, the factor rounded once to the data dtype)."""
+    if SPLIT:
+        return dot(x, y_lo, dot(x, y_hi, acc))
+    else:
+        return dot(x, y_hi, acc)
 
 
 @triton.jit
@@ -260,15 +268,19 @@ def tile_forward_terms(q, k, a, b, v, g, scale, dtype: tl.constexpr, EXACT: tl.c
 
 
 @triton.jit
-def tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v, valid, dtype: tl.constexpr):
-    """(o, v_new, h') of a tile from its start state ``h`` (fp32 ``[K, V]``)."""
-    h_hi, h_lo = split_hi_lo(h, dtype)
-    v_new = tl.where(valid[:, None], dot2(w, h_hi, h_lo, u.to(tl.float32)), 0.0)
-    vn_hi, vn_lo = split_hi_lo(v_new, dtype)
-    o = dot2(qg, h_hi, h_lo, tl.zeros_like(v_new))
+def tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v, valid, dtype: tl.constexpr,
+                    SPLIT: tl.constexpr = True):
+    """(o, v_new, h') of a tile from its start state ``h`` (fp32 ``[K, V]``); ``SPLIT``
+    takes ``h`` and ``v_new`` into products as hi/lo pairs (the state stays fp32-accurate),
+    otherwise rounded once to the data dtype (half the products; the state still accumulates
+    in fp32)."""
+    h_hi, h_lo = split_hi_lo(h, dtype, SPLIT)
+    v_new = tl.where(valid[:, None], dot2(w, h_hi, h_lo, u.to(tl.float32), SPLIT), 0.0)
+    vn_hi, vn_lo = split_hi_lo(v_new, dtype, SPLIT)
+    o = dot2(qg, h_hi, h_lo, tl.zeros_like(v_new), SPLIT)
     o = dot(A_qk, v.to(dtype), o)
-    o = dot2(A_qb, vn_hi, vn_lo, o)
+    o = dot2(A_qb, vn_hi, vn_lo, o, SPLIT)
     h_next = h * tl.exp2(Gl)[:, None]
     h_next = dot(tl.trans(kg), v.to(dtype), h_next)
-    h_next = dot2(tl.trans(bg), vn_hi, vn_lo, h_next)
+    h_next = dot2(tl.trans(bg), vn_hi, vn_lo, h_next, SPLIT)
     return o, v_new, h_next

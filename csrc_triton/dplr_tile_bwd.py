@@ -12,8 +12,10 @@ The chain, in reverse (natural-log gate units in the gradients: ``d 2^G / dG_e =
     then the A matrices and gated tiles back to q, k, a, b and the gate sums G, Ge, Gl, and
     dgk = reverse inclusive cumsum of dG + reverse exclusive cumsum of dGe + dGl.
 
-Products that feed the carried state gradient (``dv_new``, ``dh_in``) take their fp32 factor
-as a hi/lo pair; the rest run in tf32, like the intra products.
+Products with an fp32 factor from the state pass (``h``, ``dh``, ``v_new``, ``dv_new``) take
+it as a hi/lo pair (with ``SPLIT``; otherwise rounded once to the data dtype, as
+:func:`csrc_triton.dplr_tile.tile_state_step`); the rest run in tf32, like the intra
+products.
 """
 import triton
 import triton.language as tl
@@ -63,37 +65,37 @@ def intra_bwd_pairwise(dA_qk, dA_qb, dA_ak, dA_ab, q, k, a, b, G, Ge, scale, BT:
 
 @triton.jit
 def tile_backward(q, k, a, b, v, g, do, h, dh, valid, scale, dtype: tl.constexpr,
-                  EXACT: tl.constexpr, BT: tl.constexpr):
+                  EXACT: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr = True):
     """(dq, dk, dv, da, db, dgk, dh_in) of one tile; ``g`` in log2 units, rows >= L zero."""
     rows = tl.arange(0, BT)
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     (qg, kg, bg, w, u, A_qk, A_qb, Gl, Ainv, A_ak, A_ab, ag, G, Ge,
      centre) = tile_forward_terms(q, k, a, b, v, g, scale, dtype, EXACT, BT)
-    h_hi, h_lo = split_hi_lo(h, dtype)
-    dh_hi, dh_lo = split_hi_lo(dh, dtype)
+    h_hi, h_lo = split_hi_lo(h, dtype, SPLIT)
+    dh_hi, dh_lo = split_hi_lo(dh, dtype, SPLIT)
     v_d = v.to(dtype)
     do_d = do.to(dtype)
     zero_k = tl.zeros_like(q)
     zero_v = tl.zeros_like(v)
     zero_c = tl.zeros([BT, BT], dtype=tl.float32)
-    v_new = tl.where(valid[:, None], dot2(w, h_hi, h_lo, u.to(tl.float32)), 0.0)
-    vn_hi, vn_lo = split_hi_lo(v_new, dtype)
+    v_new = tl.where(valid[:, None], dot2(w, h_hi, h_lo, u.to(tl.float32), SPLIT), 0.0)
+    vn_hi, vn_lo = split_hi_lo(v_new, dtype, SPLIT)
 
     # ---- the state pass: o = qg h + A_qk v + A_qb v_new, h' = 2^Gl h + kgᵀ v + bgᵀ v_new
-    dv_new = dot2(bg, dh_hi, dh_lo, dot(tl.trans(A_qb), do_d, zero_v))
+    dv_new = dot2(bg, dh_hi, dh_lo, dot(tl.trans(A_qb), do_d, zero_v), SPLIT)
     dv_new = tl.where(valid[:, None], dv_new, 0.0)
-    dqg = dot2(do_d, tl.trans(h_hi), tl.trans(h_lo), zero_k)
+    dqg = dot2(do_d, tl.trans(h_hi), tl.trans(h_lo), zero_k, SPLIT)
     dA_qk = tl.where(incl, dot(do_d, tl.trans(v_d), zero_c), 0.0)
-    dA_qb = tl.where(incl, dot2(do_d, tl.trans(vn_hi), tl.trans(vn_lo), zero_c), 0.0)
-    dv = dot2(kg, dh_hi, dh_lo, dot(tl.trans(A_qk), do_d, zero_v))
-    dkg = dot2(v_d, tl.trans(dh_hi), tl.trans(dh_lo), zero_k)
+    dA_qb = tl.where(incl, dot2(do_d, tl.trans(vn_hi), tl.trans(vn_lo), zero_c, SPLIT), 0.0)
+    dv = dot2(kg, dh_hi, dh_lo, dot(tl.trans(A_qk), do_d, zero_v), SPLIT)
+    dkg = dot2(v_d, tl.trans(dh_hi), tl.trans(dh_lo), zero_k, SPLIT)
     dbg = dot(v_new, tl.trans(dh), zero_k)
-    dvn_hi, dvn_lo = split_hi_lo(dv_new, dtype)
+    dvn_hi, dvn_lo = split_hi_lo(dv_new, dtype, SPLIT)
     decay = tl.exp2(Gl)
     dh_in = dh * decay[:, None]
     dh_in = dot(tl.trans(qg), do_d, dh_in)
-    dh_in = dot2(tl.trans(w), dvn_hi, dvn_lo, dh_in)
+    dh_in = dot2(tl.trans(w), dvn_hi, dvn_lo, dh_in, SPLIT)
     dGl = tl.sum(h * dh, axis=1) * decay
 
     # ---- WY: v_new = u + w h, u = Ainv (A_ak v), w = Ainv ag

@@ -52,7 +52,8 @@ def grid(num_heads: int, num_seqs: int, value_blocks: int = 1):
 def state_sweep_kernel(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, ht,
                        h_out, flags, scale, H, K: tl.constexpr, V: tl.constexpr,
                        BV: tl.constexpr, BT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr,
-                       USE_H0: tl.constexpr, STORE_H: tl.constexpr):
+                       USE_H0: tl.constexpr, STORE_H: tl.constexpr,
+                       STATE_SPLIT: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.program_id(2)
@@ -79,7 +80,7 @@ def state_sweep_kernel(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_o
         A_qb_t = load_rows(A_qb, tok, valid, i_h, H, BT, 0, BT).to(dtype)
         v_t = load_rows(v, tok, valid, i_h, H, V, v0, BV)
         o_t, _v_new, h = tile_state_step(h, qg, kg, bg, w_t, u_t, A_qk_t, A_qb_t, Gl, v_t,
-                                         valid, dtype)
+                                         valid, dtype, STATE_SPLIT)
         row_v = (tok[:, None] * H + i_h) * V + cv[None, :]
         tl.store(o + row_v, round_to(o_t, dtype), mask=valid[:, None])
     tl.store(ht + seq_state + state_offsets, h)
@@ -89,9 +90,10 @@ def state_sweep_kernel(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_o
 
 def launch(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, ht, h, flags,
            scale: float, chunk_size: int, use_h0: bool, store_h: bool, num_warps: int = 4,
-           block_v: int = 0, num_stages: int = 1):
+           block_v: int = 0, num_stages: int = 1, state_split: bool = True):
     """The state walk over precomputed tile terms; ``block_v`` (0: all of V) splits the value
-    columns over programs (exact: o, v_new and the state are column-separable)."""
+    columns over programs (exact: o, v_new and the state are column-separable);
+    ``state_split`` as in ``chunk_fwd.launch``."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     N = cu_seqlens.shape[0] - 1
     BV = block_v or V
@@ -100,22 +102,24 @@ def launch(q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, h
     state_sweep_kernel[grid(H, N, V // BV)](
         q, k, v, b, gk, w, u, A_qk, A_qb, h0, cu_seqlens, chunk_offsets, o, ht, h, flags, scale,
         H=H, K=K, V=V, BV=BV, BT=BT, TILES_PER_CHUNK=chunk_size // BT, USE_H0=use_h0,
-        STORE_H=store_h, num_warps=num_warps, num_stages=num_stages)
+        STORE_H=store_h, STATE_SPLIT=state_split, num_warps=num_warps, num_stages=num_stages)
 
 
 def split_forward(q, k, v, a, b, gk, h0, tables, o, ht, h, flags, scale: float, chunk_size: int,
                   use_h0: bool, store_h: bool, bounded: bool, num_warps: int = 4,
-                  block_v: int = 0):
+                  block_v: int = 0, num_stages: int = 1, state_split: bool = True,
+                  terms_warps: int = 0):
     """The forward of ``chunk_fwd.launch`` (forward walk) as the two halves: every tile's
     terms in parallel (:mod:`csrc_triton.tile_terms`, into buffers allocated here, freed when
     this returns), then the state walk.  ``tables``: the call's ``KernelTables`` at
-    ``chunk_size``."""
+    ``chunk_size``; ``terms_warps`` (0: ``num_warps``) the tile terms' warps."""
     T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
     slots = tables.chunk_start.shape[0]
     w, u = q.new_empty(1, T, H, K), v.new_empty(1, T, H, V)
     A_qk, A_qb = q.new_empty(1, T, H, BT), q.new_empty(1, T, H, BT)
     tile_flags = flags.new_empty(slots * (chunk_size // BT), H)
     tile_terms.launch(q, k, v, a, b, gk, tables.chunk_start, tables.chunk_len, w, u, A_qk, A_qb,
-                      tile_flags, scale, chunk_size, bounded, num_warps=num_warps)
+                      tile_flags, scale, chunk_size, bounded, num_warps=terms_warps or num_warps)
     launch(q, k, v, b, gk, w, u, A_qk, A_qb, h0, tables.cu_seqlens, tables.chunk_offsets, o, ht,
-           h, flags, scale, chunk_size, use_h0, store_h, num_warps=num_warps, block_v=block_v)
+           h, flags, scale, chunk_size, use_h0, store_h, num_warps=num_warps, block_v=block_v,
+           num_stages=num_stages, state_split=state_split)

@@ -28,12 +28,16 @@ def variants():
     for mode in (0, 1, 2):
         for tiles in (1, 4):
             yield "chunk_fwd", fwd, dict(K=64, V=64, BV=64, BT=16, TILES_PER_CHUNK=tiles,
-                                         USE_H0=True, STORE_H=True, MODE=mode, REVERSE=False)
-    yield "chunk_fwd", fwd, dict(K=64, V=64, BV=32, BT=16, TILES_PER_CHUNK=4, USE_H0=True,
-                                 STORE_H=False, MODE=0, REVERSE=False)  # value blocks
-    for mode, tiles, reverse in ((0, 4, False), (1, 4, False), (2, 1, True)):
+                                         USE_H0=True, STORE_H=True, MODE=mode, REVERSE=False,
+                                         STATE_SPLIT=True)
+    for split in (True, False):  # value blocks; the state rounded once
+        yield "chunk_fwd", fwd, dict(K=64, V=64, BV=32, BT=16, TILES_PER_CHUNK=4, USE_H0=True,
+                                     STORE_H=False, MODE=0, REVERSE=False, STATE_SPLIT=split)
+    for mode, tiles, reverse, split in ((0, 4, False, True), (1, 4, False, True),
+                                        (2, 1, True, True), (0, 4, False, False)):
         yield "chunk_bwd", bwd, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=tiles,
-                                     USE_DHT=True, WRITE_DH0=True, MODE=mode, REVERSE=reverse)
+                                     USE_DHT=True, WRITE_DH0=True, MODE=mode, REVERSE=reverse,
+                                     STATE_SPLIT=split)
     terms = dict(q=p, k=p, v=p, a=p, b=p, gk=f, chunk_start="*i32", chunk_len="*i32", w_out=p,
                  u_out=p, A_qk_out=p, A_qb_out=p, tile_flags="*i32", scale="fp32", H="i32")
     for mode in (0, 1, 2):
@@ -42,7 +46,7 @@ def variants():
                 chunk_offsets="*i32", o=p, ht=f, h_out=f, flags="*i32", scale="fp32", H="i32")
     for bv in (64, 32):
         yield "state_sweep", walk, dict(K=64, V=64, BV=bv, BT=16, TILES_PER_CHUNK=4,
-                                        USE_H0=True, STORE_H=True)
+                                        USE_H0=True, STORE_H=True, STATE_SPLIT=bv == 64)
     for indexed, flagged in ((False, False), (True, False), (False, True)):
         yield "recurrent", rec, dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=indexed,
                                      REVERSE=False, FLAGGED=flagged)

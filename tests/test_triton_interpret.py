@@ -39,7 +39,7 @@ def _inputs(B, T, H, K, cu, gates="rwkv7", gate_scale=1.0, spikes=False, dtype=t
     return x
 
 
-def _sweep(kernels, x, C, cu, bounded, reverse=False):
+def _sweep(kernels, x, C, cu, bounded, reverse=False, state_split=True):
     """Forward and backward through the sweep kernels; returns outputs, grads, flags, do, dht."""
     from torch_dplr.ops.varlen import as_one_sequence_list as flat
     from torch_dplr.ops.varlen import kernel_tables
@@ -54,7 +54,7 @@ def _sweep(kernels, x, C, cu, bounded, reverse=False):
     flags = torch.full((N, H), -1, dtype=torch.int32)
     tokens = [flat(t) for t in (q, k, v, a, b, gk)]
     chunk_fwd.launch(*tokens, h0, tb.cu_seqlens, tb.chunk_offsets, flat(o), ht, h, flags,
-                     K ** -0.5, C, True, True, bounded, reverse)
+                     K ** -0.5, C, True, True, bounded, reverse, state_split=state_split)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(v.shape, generator=gen).to(v.dtype)
     dht = torch.randn(ht.shape, generator=gen)
@@ -62,7 +62,8 @@ def _sweep(kernels, x, C, cu, bounded, reverse=False):
     dh0 = torch.empty(N, H, K, K)
     ws = torch.empty(chunk_bwd.workspace_shape(H, N, C // 16, K, K))
     chunk_bwd.launch(*tokens, h, flat(do), dht, tb.cu_seqlens, tb.chunk_offsets, flags, ws,
-                     *map(flat, grads), dh0, K ** -0.5, C, True, True, bounded, reverse)
+                     *map(flat, grads), dh0, K ** -0.5, C, True, True, bounded, reverse,
+                     state_split=state_split)
     return [o, ht], grads + [dh0], flags, do, dht
 
 
@@ -95,6 +96,20 @@ def test_sweep_matches_oracle(kernels, case):
     x = _inputs(B, T, H, K, cu, **options)
     outs, grads, flags, do, dht = _sweep(kernels, x, C, cu, bounded)
     _assert_within(outs, grads, *_oracle(x, cu, do, dht), torch.bfloat16)
+
+
+def test_state_rounded_once_in_products(kernels):
+    """``state_split=False`` (the state and v_new rounded once to bf16 where they enter a
+    product, the state still accumulated in fp32) over 400 tokens: o, the final state and every
+    gradient within the suite's bars, and further from the fp64 recurrence than the hi/lo
+    products (what the option trades)."""
+    cu = [0, 400, 700]
+    x = _inputs(1, 700, 2, 32, cu, seed=9)
+    once = _sweep(kernels, x, 64, cu, bounded=True, state_split=False)
+    split = _sweep(kernels, x, 64, cu, bounded=True)
+    ref_outs, ref_grads = _oracle(x, cu, once[3], once[4])
+    _assert_within(once[0], once[1], ref_outs, ref_grads, torch.bfloat16)
+    assert rms_ratio(once[0][1], ref_outs[1]) > rms_ratio(split[0][1], ref_outs[1])
 
 
 @pytest.mark.parametrize("options", [dict(gate_scale=100.0), dict(spikes=True)])
