@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
+from . import time_parallel
 from .ops.recurrent import call_op
 from .validation import check_inputs
 
@@ -135,6 +136,19 @@ def _chunk(q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqle
     bound = float("-inf") if lower_bound is None else float(lower_bound)
     if safe_gate:
         bound = max(bound, SAFE_GATE_BOUND)
+    S = time_parallel.segments_for(q, cu_seqlens, C)
+    if S > 1:
+        def run(*tensors):
+            return _chunk_ops(*tensors, None, scale, C, bound, True)
+        o, final_state = time_parallel.segmented(run, q, k, v, a, b, gk, initial_state, S)
+        return o, (final_state if output_final_state else None)
+    return _chunk_ops(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, C, bound,
+                      output_final_state)
+
+
+def _chunk_ops(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, C, bound,
+               output_final_state):
+    """The chunked call as ``dplr::`` ops (``scale``, ``C``, ``bound`` resolved)."""
     cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
     # the GPU kernels' chunk tables, built once for every op of the call (forward and backward;
     # the PyTorch kernels ignore them, built anyway so a graph is the same on every device)
