@@ -4,7 +4,9 @@ over their schedule knobs, with the bytes each launch moves.
 Per (shape, chunk size, knobs) one JSON line: ``fwd`` (no states kept: the no-grad forward),
 ``fwd_states`` (the training forward: also the state at every chunk start), ``bwd`` (every
 gradient from the kept states), and the split forward (``csrc_triton.state_sweep``) as
-``split`` / ``split_states`` with its halves ``tile_terms`` and ``state_walk`` timed alone,
+``split`` / ``split_states`` with its halves ``tile_terms`` and ``state_walk`` timed alone, and
+the split backward (``csrc_triton.chunk_grads``) as ``split_bwd`` with its ``grad_walk`` and
+``chunk_grads`` parts,
 each in ms (:class:`benchmarks.timing.Timer`: CUDA events, L2 flushed, median), with ``*_mb``
 (the bytes each launch must move: every input read once, every output written once, the split's
 intermediates included, in 1e6 bytes) and ``*_gbps``.  Knobs: value blocks, warps, pipeline
@@ -33,7 +35,7 @@ from .timing import Timer
 
 SHAPES = {"design": Shape(8, 4096, 32, 64), "small": Shape(2, 4096, 8, 64),
           "long": Shape(1, 65536, 32, 64), "varlen": Shape(1, 32768, 32, 64, N=8)}
-MODES = ("fwd", "fwd_states", "bwd", "split", "split_states")
+MODES = ("fwd", "fwd_states", "bwd", "split", "split_states", "split_bwd")
 
 
 def _mb(*tensors) -> float:
@@ -64,6 +66,7 @@ class SweepCase:
                       q.new_empty(*q.shape[:3], 16))
         self.tile_flags = torch.empty(self.tables.chunk_start.shape[0] * (C // 16), H,
                                       dtype=torch.int32, device="cuda")
+        self.dh_chunks = torch.empty_like(self.states)
 
     def traffic_mb(self, mode: str) -> float:
         reads = _mb(*self.tokens, self.h0)
@@ -74,6 +77,13 @@ class SweepCase:
         if mode == "bwd":
             return reads + _mb(self.do, self.dht, self.states, *self.grads, self.dh0)
         q, k, v, a, b, gk = self.tokens
+        w, u, A_qk, A_qb = self.terms
+        if mode == "grad_walk":
+            return _mb(q, b, gk, w, A_qb, self.do, self.dht, self.dh_chunks, self.dh0)
+        if mode == "chunk_grads":
+            return _mb(*self.tokens, self.do, self.states, self.dh_chunks, *self.grads)
+        if mode == "split_bwd":
+            return sum(map(self.traffic_mb, ("tile_terms", "grad_walk", "chunk_grads")))
         if mode == "tile_terms":
             return _mb(*self.tokens, *self.terms)
         walk = _mb(q, k, v, b, gk, *self.terms, self.h0, self.o, self.ht)
@@ -109,6 +119,27 @@ class SweepCase:
               state_split: bool):
         self.tile_terms(num_warps)
         self.state_walk(store, num_warps, block_v, num_stages, state_split)
+
+    def grad_walk(self, num_warps: int, block_v: int, num_stages: int, state_split: bool):
+        from csrc_triton import chunk_grads
+        q, k, v, a, b, gk = self.tokens
+        w, u, A_qk, A_qb = self.terms
+        chunk_grads.launch_walk(q, b, gk, w, A_qb, self.do, self.dht, self.tables.cu_seqlens,
+                                self.tables.chunk_offsets, self.dh_chunks, self.dh0, 0.125,
+                                self.C, True, True, num_warps=num_warps, block_v=block_v,
+                                num_stages=num_stages, state_split=state_split)
+
+    def chunk_grads(self, num_warps: int, num_stages: int, state_split: bool):
+        from csrc_triton import chunk_grads
+        chunk_grads.launch_grads(*self.tokens, self.states, self.dh_chunks, self.do,
+                                 self.tables.chunk_start, self.tables.chunk_len, self.tile_flags,
+                                 *self.grads, 0.125, self.C, True, num_warps=num_warps,
+                                 num_stages=num_stages, state_split=state_split)
+
+    def split_backward(self, num_warps: int, block_v: int, num_stages: int, state_split: bool):
+        self.tile_terms(num_warps)
+        self.grad_walk(num_warps, block_v, num_stages, state_split)
+        self.chunk_grads(num_warps, num_stages, state_split)
 
     def backward(self, workspace, num_warps: int, num_stages: int, state_split: bool):
         from csrc_triton import chunk_bwd
@@ -149,6 +180,14 @@ def run(shape_names, chunks, block_vs, warps, stages, splits, modes, out=None, r
                             case.forward(True, **knobs)
                             ms = timer.measure(lambda: case.backward(ws, nw, ns, bool(ss))).ms
                             _record(rec, mode, ms, case.traffic_mb(mode))
+                        elif mode == "split_bwd":
+                            case.forward(True, **knobs)  # the kept states
+                            timed = {mode: lambda: case.split_backward(**knobs),
+                                     "grad_walk": lambda: case.grad_walk(**knobs)}
+                            if first:  # no value blocks
+                                timed["chunk_grads"] = lambda: case.chunk_grads(nw, ns, bool(ss))
+                            for part, fn in timed.items():
+                                _record(rec, part, timer.measure(fn).ms, case.traffic_mb(part))
                         elif mode.startswith("split"):
                             store = mode == "split_states"
                             walk = "state_walk_states" if store else "state_walk"

@@ -53,6 +53,14 @@ def tile_rows(bos, eos, t, BT: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def chunk_tile_rows(start, length, t, BT: tl.constexpr):
+    """Tokens of tile ``t`` of a chunk of ``length`` rows from token ``start``, and which rows
+    hold one."""
+    rows = tl.arange(0, BT)
+    return start.to(tl.int64) + t * BT + rows, rows < length - t * BT
+
+
+@triton.jit
 def sequence_of(cu_seqlens, chunk_offsets, i_n):
     """(first token, end, first chunk slot) of sequence ``i_n``, as int64."""
     return (tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64),

@@ -64,6 +64,23 @@ def intra_bwd_pairwise(dA_qk, dA_qb, dA_ak, dA_ab, q, k, a, b, G, Ge, scale, BT:
 
 
 @triton.jit
+def state_grad_step(dh, qg, bg, w, A_qb, do_d, Gl, valid, dtype: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """The state-gradient part of a tile's backward: (dv_new, dh_in) from the gradient ``dh``
+    of the state leaving the tile (fp32 ``[K, BV]``, value columns separable), with
+    ``dv_new = A_qbᵀ do + bg dh`` and ``dh_in = 2^Gl dh + qgᵀ do + wᵀ dv_new``."""
+    dh_hi, dh_lo = split_hi_lo(dh, dtype, SPLIT)
+    dv_new = dot2(bg, dh_hi, dh_lo, dot(tl.trans(A_qb), do_d, tl.zeros_like(do_d.to(tl.float32))),
+                  SPLIT)
+    dv_new = tl.where(valid[:, None], dv_new, 0.0)
+    dvn_hi, dvn_lo = split_hi_lo(dv_new, dtype, SPLIT)
+    dh_in = dh * tl.exp2(Gl)[:, None]
+    dh_in = dot(tl.trans(qg), do_d, dh_in)
+    dh_in = dot2(tl.trans(w), dvn_hi, dvn_lo, dh_in, SPLIT)
+    return dv_new, dh_in
+
+
+@triton.jit
 def tile_backward(q, k, a, b, v, g, do, h, dh, valid, scale, dtype: tl.constexpr,
                   EXACT: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr = True):
     """(dq, dk, dv, da, db, dgk, dh_in) of one tile; ``g`` in log2 units, rows >= L zero."""
@@ -83,20 +100,14 @@ def tile_backward(q, k, a, b, v, g, do, h, dh, valid, scale, dtype: tl.constexpr
     vn_hi, vn_lo = split_hi_lo(v_new, dtype, SPLIT)
 
     # ---- the state pass: o = qg h + A_qk v + A_qb v_new, h' = 2^Gl h + kgᵀ v + bgᵀ v_new
-    dv_new = dot2(bg, dh_hi, dh_lo, dot(tl.trans(A_qb), do_d, zero_v), SPLIT)
-    dv_new = tl.where(valid[:, None], dv_new, 0.0)
+    dv_new, dh_in = state_grad_step(dh, qg, bg, w, A_qb, do_d, Gl, valid, dtype, SPLIT)
     dqg = dot2(do_d, tl.trans(h_hi), tl.trans(h_lo), zero_k, SPLIT)
     dA_qk = tl.where(incl, dot(do_d, tl.trans(v_d), zero_c), 0.0)
     dA_qb = tl.where(incl, dot2(do_d, tl.trans(vn_hi), tl.trans(vn_lo), zero_c, SPLIT), 0.0)
     dv = dot2(kg, dh_hi, dh_lo, dot(tl.trans(A_qk), do_d, zero_v), SPLIT)
     dkg = dot2(v_d, tl.trans(dh_hi), tl.trans(dh_lo), zero_k, SPLIT)
     dbg = dot(v_new, tl.trans(dh), zero_k)
-    dvn_hi, dvn_lo = split_hi_lo(dv_new, dtype, SPLIT)
-    decay = tl.exp2(Gl)
-    dh_in = dh * decay[:, None]
-    dh_in = dot(tl.trans(qg), do_d, dh_in)
-    dh_in = dot2(tl.trans(w), dvn_hi, dvn_lo, dh_in, SPLIT)
-    dGl = tl.sum(h * dh, axis=1) * decay
+    dGl = tl.sum(h * dh, axis=1) * tl.exp2(Gl)
 
     # ---- WY: v_new = u + w h, u = Ainv (A_ak v), w = Ainv ag
     dw = dot(dv_new, tl.trans(h), zero_k)

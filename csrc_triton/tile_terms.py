@@ -41,8 +41,8 @@ chunk_start, chunk_len int32 [slots]; tile_flags int32 [slots · C/16, H].
 import triton
 import triton.language as tl
 
-from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, load_tile,
-                        tile_forward_terms)
+from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, chunk_tile_rows,
+                        load_tile, tile_forward_terms)
 
 BT = 16
 
@@ -59,17 +59,16 @@ def tile_terms_kernel(q, k, v, a, b, gk, chunk_start, chunk_len, w_out, u_out, A
     i_h = tl.program_id(1)
     flag = tile_flags + i_tile * H + i_h
     slot = i_tile // TILES_PER_CHUNK
-    first = (i_tile % TILES_PER_CHUNK) * BT
-    rows_left = tl.load(chunk_len + slot) - first
+    length = tl.load(chunk_len + slot)
+    t = i_tile % TILES_PER_CHUNK
     if MODE == EXACT_FLAGGED:
         run = tl.load(flag) != 0
     else:
-        run = rows_left > 0
+        run = length > t * BT
     if run:
         dtype: tl.constexpr = w_out.dtype.element_ty
         rows = tl.arange(0, BT)
-        tok = tl.load(chunk_start + slot).to(tl.int64) + first + rows
-        valid = rows < rows_left
+        tok, valid = chunk_tile_rows(tl.load(chunk_start + slot), length, t, BT)
         q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K, V,
                                                  0, V)
         (_qg, _kg, _bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,

@@ -153,3 +153,39 @@ def test_split_forward_matches_the_sweep(cu, gate_scale):
     assert torch.equal(flags, flags2) and (flags > 0).any()
     for name, got, want in (("o", o2, o), ("ht", ht2, ht), ("states", h2, h)):
         assert torch.isfinite(got).all() and rms_ratio(got, want) < 1e-5, name
+
+
+def test_split_backward_matches_the_sweep():
+    """The split backward (tile terms, the state-gradient walk, every chunk's gradients in
+    parallel) against the one-sweep backward on the GPU, from the same kept states, a broken
+    bound included."""
+    from csrc_triton import chunk_bwd, chunk_fwd, chunk_grads
+    from torch_dplr.ops.varlen import as_one_sequence_list as flat
+    from torch_dplr.ops.varlen import kernel_tables
+    cu = [0, 5, 1500, 1501, 4096]
+    x = _case(1, 4096, 16, 64, cu, seed=8)
+    x["gk"][:, ::301, :, ::13] = -1e4
+    tokens = [flat(x[n]) for n in "q k v a b gk".split()]
+    tb = kernel_tables(torch.tensor(cu, device="cuda"), 1, 4096, 64, "cuda")
+    N = len(cu) - 1
+    o, ht = torch.empty_like(tokens[2]), torch.empty(N, 16, 64, 64, device="cuda")
+    h = torch.empty(1, tb.chunk_start.numel(), 16, 64, 64, device="cuda")
+    flags = torch.empty(N, 16, dtype=torch.int32, device="cuda")
+    chunk_fwd.launch(*tokens, x["initial_state"], tb.cu_seqlens, tb.chunk_offsets, o, ht, h,
+                     flags, 0.125, 64, True, True, True)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device="cuda", generator=gen)
+    results = []
+    for run in ("sweep", "split"):
+        grads = [torch.empty_like(t) for t in tokens] + [torch.empty_like(ht)]
+        if run == "sweep":
+            ws = torch.empty(chunk_bwd.workspace_shape(16, N, 4, 64, 64), device="cuda")
+            chunk_bwd.launch(*tokens, h, do, dht, tb.cu_seqlens, tb.chunk_offsets, flags, ws,
+                             *grads, 0.125, 64, True, True, True)
+        else:
+            chunk_grads.split_backward(*tokens, h, do, dht, tb, *grads, 0.125, 64, True, True,
+                                       True)
+        results.append(grads)
+    for name, got, want in zip("dq dk dv da db dgk dh0".split(), *reversed(results)):
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < 1e-5, name

@@ -187,6 +187,34 @@ def test_split_forward_is_the_sweep(kernels, case):
     assert rms_ratio(blocks[0], want[0]) < 1e-5
 
 
+@pytest.mark.parametrize("case", [
+    (1, 130, [0, 3, 64, 130], 32, dict(spikes=True), True),  # a broken bound, varlen
+    (2, 70, None, 64, {}, True),
+    (1, 100, None, 16, dict(gates="unbounded"), False),
+])
+def test_split_backward_is_the_sweep(kernels, case):
+    """Tile terms, the state-gradient walk, then every chunk's gradients in parallel: bit for
+    bit the one-sweep backward's gradients and dh0 (the same terms, rounded at the same
+    points), from the same kept states."""
+    from csrc_triton import chunk_grads
+    from torch_dplr.ops.varlen import as_one_sequence_list as flat
+    from torch_dplr.ops.varlen import kernel_tables
+    B, T, cu, C, options, bounded = case
+    x = _inputs(B, T, 2, 32, cu, **options)
+    (_o, ht), want, _flags, do, dht = _sweep(kernels, x, C, cu, bounded)
+    _, _, h, _ = _forward(kernels[0], x, C, cu, bounded)
+    tb = kernel_tables(torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu),
+                       B, T, C, "cpu")
+    tokens = [flat(x[n]) for n in "q k v a b gk".split()]
+    grads = [torch.empty_like(t) for t in tokens]
+    dh0 = torch.empty_like(ht)
+    chunk_grads.split_backward(*tokens, h, flat(do), dht, tb, *grads, dh0, 32 ** -0.5, C, True,
+                               True, bounded)
+    for name, g, w in zip("dq dk dv da db dgk dh0".split(), [*grads, dh0],
+                          [*(flat(t) for t in want[:6]), want[6]]):
+        assert torch.equal(g, w), name
+
+
 def test_sweep_schemes_agree_where_both_apply(kernels):
     """With gates inside the bound the exact scheme finds nothing to redo and gives the
     centred scheme's result (the same products)."""

@@ -1,0 +1,189 @@
+"""The backward split in three: every tile's terms in parallel, the walk of the state gradient
+alone, then every chunk's gradients in parallel.
+
+``chunk_bwd`` carries the state gradient ``dh`` from tile to tile inside one program per
+(sequence, head) and differentiates each whole tile in that serial chain.  Only ``dh`` needs
+the chain (``dv_new = A_qbᵀ do + bg dh``, ``dh_in = 2^Gl dh + qgᵀ do + wᵀ dv_new``,
+:func:`csrc_triton.dplr_tile_bwd.state_grad_step`); given the state entering a chunk (the
+forward keeps it) and the gradient of the state leaving it, every gradient of the chunk is
+chunk-local.  So:
+
+1. :mod:`csrc_triton.tile_terms`: w, A_qb of every tile (u, A_qk come along);
+2. ``grad_walk_kernel``, one program per (value block, head, sequence), from the last tile:
+   the state-gradient step per tile, writing the gradient of the state leaving every chunk
+   (``dh_chunks``, fp32, the layout of the kept states) and ``dh0``;
+3. ``chunk_grads_kernel``, one program per (chunk slot, head): the chunk's tiles from the
+   last, each from its start state (recomputed from the kept one, a forward step per earlier
+   tile of the chunk) and the carried ``dh``
+   (:func:`csrc_triton.dplr_tile_bwd.tile_backward`), writing dq, dk, dv, da, db, dgk.
+
+The same terms at the same rounding points as ``chunk_bwd``: the same gradients, bit for bit
+under the interpreter (``tests/test_triton_interpret.py``).
+
+HBM traffic (bytes per token and head, bf16 data, fp32 gates, D = K = V; states 4·D·D/C)::
+
+    tile terms   read  q k v a b: 5 · 2D   gk: 4D        write w u: 2 · 2D   A_qk A_qb: 2 · 32
+    grad walk    read  q b do w: 4 · 2D   gk: 4D   A_qb: 32      write dh_chunks: 4·D·D/C
+    chunk grads  read  q k v a b do: 6 · 2D   gk: 4D   states, dh_chunks: 2 · 4·D·D/C
+                 write dq dk dv da db: 5 · 2D   dgk: 4D
+
+At B8 T4096 H32 D64, chunk 64: 1.28 GB, 1.11 GB and 2.55 GB, 4.9 GB in all against the
+2.29 GB the backward must move: the tile terms and the chunk-end gradients are the excess.
+
+Schemes: the tile terms as in :mod:`csrc_triton.tile_terms`; the chunk gradients, with a
+declared bound, ``FAST`` for chunks whose tiles all took centred products (``tile_flags``
+clear) and ``EXACT_FLAGGED`` for the others, ``EXACT_ALL`` without a bound.
+"""
+import triton
+import triton.language as tl
+
+from . import tile_terms
+from ._common import round_to
+from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, LOG2E, chunk_tile_rows, gate_sums,
+                        gated_operands, load_rows, load_tile, sequence_of, tile_forward_terms,
+                        tile_rows, tile_state_step, walk_start)
+from .dplr_tile_bwd import state_grad_step, tile_backward
+
+BT = 16
+
+
+@triton.jit
+def grad_walk_kernel(q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_chunks, dh0,
+                     scale, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                     BT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr, USE_DHT: tl.constexpr,
+                     WRITE_DH0: tl.constexpr, STATE_SPLIT: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.program_id(2)
+    dtype: tl.constexpr = do.dtype.element_ty
+    v0 = i_v * BV
+    bos, eos, slot0 = sequence_of(cu_seqlens, chunk_offsets, i_n)
+    state_offsets, seq_state, dh = walk_start(dht, i_n, i_h, H, K, V, v0, BV, USE_DHT)
+    n_tiles = tl.cdiv(eos - bos, BT)
+    for tr in range(n_tiles):
+        t = n_tiles - 1 - tr
+        # arriving at a chunk's last tile, dh is the gradient of the state leaving the chunk
+        if (t % TILES_PER_CHUNK == TILES_PER_CHUNK - 1) | (tr == 0):
+            slot = slot0 + t // TILES_PER_CHUNK
+            tl.store(dh_chunks + (slot * H + i_h) * K * V + state_offsets, dh)
+        tok, valid = tile_rows(bos, eos, t, BT, False)
+        G, _Ge, Gl, _centre = gate_sums(load_rows(gk, tok, valid, i_h, H, K, 0, K) * LOG2E, BT)
+        b_t = load_rows(b, tok, valid, i_h, H, K, 0, K)
+        qg, _bg, bg = gated_operands(load_rows(q, tok, valid, i_h, H, K, 0, K), b_t, b_t, G,
+                                     Gl, scale, dtype)
+        w_t = load_rows(w, tok, valid, i_h, H, K, 0, K).to(dtype)
+        A_qb_t = load_rows(A_qb, tok, valid, i_h, H, BT, 0, BT).to(dtype)
+        do_t = load_rows(do, tok, valid, i_h, H, V, v0, BV).to(dtype)
+        _dv_new, dh = state_grad_step(dh, qg, bg, w_t, A_qb_t, do_t, Gl, valid, dtype,
+                                      STATE_SPLIT)
+    if WRITE_DH0:
+        tl.store(dh0 + seq_state + state_offsets, dh)
+
+
+@triton.jit
+def chunk_grads_kernel(q, k, v, a, b, gk, h_saved, dh_chunks, do, chunk_start, chunk_len,
+                       tile_flags, dq, dk, dv, da, db, dgk, scale, H, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, TILES_PER_CHUNK: tl.constexpr,
+                       MODE: tl.constexpr, STATE_SPLIT: tl.constexpr):
+    slot = tl.program_id(0)
+    i_h = tl.program_id(1)
+    length = tl.load(chunk_len + slot)
+    flagged = tl.sum(tl.load(tile_flags + (slot * TILES_PER_CHUNK
+                                           + tl.arange(0, TILES_PER_CHUNK)) * H + i_h), axis=0)
+    if MODE == FAST:
+        run = (length > 0) & (flagged == 0)
+    elif MODE == EXACT_FLAGGED:
+        run = (length > 0) & (flagged != 0)
+    else:
+        run = length > 0
+    if run:
+        dtype: tl.constexpr = dq.dtype.element_ty
+        EXACT: tl.constexpr = MODE != FAST
+        start = tl.load(chunk_start + slot)
+        state_offsets = tl.arange(0, K)[:, None] * V + tl.arange(0, V)[None, :]
+        chunk_state = (slot * H + i_h) * K * V + state_offsets
+        h_chunk = tl.load(h_saved + chunk_state)
+        dh = tl.load(dh_chunks + chunk_state)
+        n_tiles = tl.cdiv(length, BT)
+        for tr in range(n_tiles):
+            t = n_tiles - 1 - tr
+            h = h_chunk
+            for t_before in range(t):  # the state entering tile t
+                tok, valid = chunk_tile_rows(start, length, t_before, BT)
+                q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
+                                                         H, K, V, 0, V)
+                (qg, kg, bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,
+                 _centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype,
+                                               EXACT, BT)
+                _o, _vn, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid,
+                                             dtype, STATE_SPLIT)
+            tok, valid = chunk_tile_rows(start, length, t, BT)
+            q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
+                                                     H, K, V, 0, V)
+            do_t = load_rows(do, tok, valid, i_h, H, V, 0, V)
+            dq_t, dk_t, dv_t, da_t, db_t, dg_t, dh = tile_backward(
+                q_t, k_t, a_t, b_t, v_t, g_t, do_t, h, dh, valid, scale, dtype, EXACT, BT,
+                STATE_SPLIT)
+            row_k = (tok[:, None] * H + i_h) * K + tl.arange(0, K)[None, :]
+            row_v = (tok[:, None] * H + i_h) * V + tl.arange(0, V)[None, :]
+            m = valid[:, None]
+            tl.store(dq + row_k, round_to(dq_t, dtype), mask=m)
+            tl.store(dk + row_k, round_to(dk_t, dtype), mask=m)
+            tl.store(da + row_k, round_to(da_t, dtype), mask=m)
+            tl.store(db + row_k, round_to(db_t, dtype), mask=m)
+            tl.store(dv + row_v, round_to(dv_t, dtype), mask=m)
+            tl.store(dgk + row_k, round_to(dg_t, dgk.dtype.element_ty), mask=m)
+
+
+def launch_walk(q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_chunks, dh0,
+                scale: float, chunk_size: int, use_dht: bool, write_dh0: bool,
+                num_warps: int = 4, block_v: int = 0, num_stages: int = 1,
+                state_split: bool = True):
+    """The state-gradient walk: ``dh_chunks`` (the kept states' layout) and ``dh0``;
+    ``block_v`` (0: all of V) splits the value columns over programs."""
+    H, K, V = q.shape[2], q.shape[3], do.shape[3]
+    N = cu_seqlens.shape[0] - 1
+    BV = block_v or V
+    if V % BV:
+        raise ValueError(f"block_v={block_v} must divide the value head dim {V}")
+    grad_walk_kernel[(V // BV, H, N)](
+        q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_chunks, dh0, scale, H=H, K=K,
+        V=V, BV=BV, BT=BT, TILES_PER_CHUNK=chunk_size // BT, USE_DHT=use_dht,
+        WRITE_DH0=write_dh0, STATE_SPLIT=state_split, num_warps=num_warps,
+        num_stages=num_stages)
+
+
+def launch_grads(q, k, v, a, b, gk, h, dh_chunks, do, chunk_start, chunk_len, tile_flags, dq,
+                 dk, dv, da, db, dgk, scale: float, chunk_size: int, bounded: bool,
+                 num_warps: int = 4, num_stages: int = 1, state_split: bool = True):
+    """Every chunk's gradients, in the tile terms' schemes (their ``tile_flags``)."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    modes = (FAST.value, EXACT_FLAGGED.value) if bounded else (EXACT_ALL.value,)
+    for mode in modes:
+        chunk_grads_kernel[(chunk_start.shape[0], H)](
+            q, k, v, a, b, gk, h, dh_chunks, do, chunk_start, chunk_len, tile_flags, dq, dk, dv,
+            da, db, dgk, scale, H=H, K=K, V=V, BT=BT, TILES_PER_CHUNK=chunk_size // BT,
+            MODE=mode, STATE_SPLIT=state_split, num_warps=num_warps, num_stages=num_stages)
+
+
+def split_backward(q, k, v, a, b, gk, h, do, dht, tables, dq, dk, dv, da, db, dgk, dh0,
+                   scale: float, chunk_size: int, use_dht: bool, write_dh0: bool,
+                   bounded: bool, num_warps: int = 4, block_v: int = 0, num_stages: int = 1,
+                   state_split: bool = True, terms_warps: int = 0):
+    """Every gradient from the forward's kept states ``h`` (``chunk_fwd`` with ``STORE_H`` at
+    ``chunk_size``, the same ``state_split``), as ``chunk_bwd.launch`` (forward walks);
+    ``tables``: the call's ``KernelTables`` at ``chunk_size``; buffers allocated here, freed
+    when this returns; ``terms_warps`` (0: ``num_warps``) the tile terms' warps."""
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
+    w, u = q.new_empty(1, T, H, K), v.new_empty(1, T, H, V)
+    A_qk, A_qb = q.new_empty(1, T, H, BT), q.new_empty(1, T, H, BT)
+    tile_flags = tables.chunk_start.new_empty(tables.chunk_start.shape[0] * (chunk_size // BT), H)
+    tile_terms.launch(q, k, v, a, b, gk, tables.chunk_start, tables.chunk_len, w, u, A_qk, A_qb,
+                      tile_flags, scale, chunk_size, bounded, num_warps=terms_warps or num_warps)
+    dh_chunks = h.new_empty(h.shape)
+    launch_walk(q, b, gk, w, A_qb, do, dht, tables.cu_seqlens, tables.chunk_offsets, dh_chunks,
+                dh0, scale, chunk_size, use_dht, write_dh0, num_warps=num_warps,
+                block_v=block_v, num_stages=num_stages, state_split=state_split)
+    launch_grads(q, k, v, a, b, gk, h, dh_chunks, do, tables.chunk_start, tables.chunk_len,
+                 tile_flags, dq, dk, dv, da, db, dgk, scale, chunk_size, bounded,
+                 num_warps=num_warps, num_stages=num_stages, state_split=state_split)
