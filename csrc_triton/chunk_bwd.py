@@ -31,11 +31,10 @@ h [1, slots, H, K, V] fp32 (the forward's states); dht [N, H, K, V] fp32 (read w
 import triton
 import triton.language as tl
 
-from ._common import round_to
 from .chunk_fwd import BT_DEFAULT
-from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, load_tile, sequence_of,
-                        tile_forward_terms, tile_rows, tile_state_step)
-from .dplr_tile_bwd import tile_backward
+from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, sequence_of, tile_forward_step,
+                        tile_rows)
+from .dplr_tile_bwd import tile_backward_stored
 
 
 def grid(num_heads: int, num_seqs: int):
@@ -100,13 +99,8 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
             h = h_chunk
             for t in range(t_first, t_end - 1):
                 tok, valid = tile_rows(bos, eos, t, BT, REVERSE)
-                q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
-                                                         H, K, V, 0, V)
-                (qg, kg, bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,
-                 _centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype,
-                                               EXACT, BT)
-                _o, _vn, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid,
-                                             dtype, STATE_SPLIT)
+                h = tile_forward_step(q, k, v, a, b, gk, tok, valid, i_h, H, K, V, h, scale,
+                                      dtype, EXACT, BT, STATE_SPLIT)
                 tl.store(ws + (t - t_first) * K * V + state_offsets, h)
             tl.debug_barrier()
         for tr in range(t_end - t_first):
@@ -116,21 +110,9 @@ def _reverse_sweep(q, k, v, a, b, gk, h_saved, do, dht, cu_seqlens, chunk_offset
             else:
                 h = tl.load(ws + (t - t_first - 1) * K * V + state_offsets)
             tok, valid = tile_rows(bos, eos, t, BT, REVERSE)
-            q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
-                                                     H, K, V, 0, V)
-            row_k = (tok[:, None] * H + i_h) * K + ck[None, :]
-            row_v = (tok[:, None] * H + i_h) * V + cv[None, :]
-            m = valid[:, None]
-            do_t = tl.load(do + row_v, mask=m, other=0.0).to(tl.float32)
-            dq_t, dk_t, dv_t, da_t, db_t, dg_t, dh = tile_backward(
-                q_t, k_t, a_t, b_t, v_t, g_t, do_t, h, dh, valid, scale, dtype, EXACT, BT,
-                STATE_SPLIT)
-            tl.store(dq + row_k, round_to(dq_t, dtype), mask=m)
-            tl.store(dk + row_k, round_to(dk_t, dtype), mask=m)
-            tl.store(da + row_k, round_to(da_t, dtype), mask=m)
-            tl.store(db + row_k, round_to(db_t, dtype), mask=m)
-            tl.store(dv + row_v, round_to(dv_t, dtype), mask=m)
-            tl.store(dgk + row_k, round_to(dg_t, dgk.dtype.element_ty), mask=m)
+            dh = tile_backward_stored(q, k, v, a, b, gk, do, tok, valid, i_h, H, K, V, h, dh,
+                                      dq, dk, dv, da, db, dgk, scale, dtype, EXACT, BT,
+                                      STATE_SPLIT)
         if TILES_PER_CHUNK > 1:
             tl.debug_barrier()  # the workspace is rewritten by the next chunk
     if WRITE_DH0:

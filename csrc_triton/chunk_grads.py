@@ -38,11 +38,10 @@ import triton
 import triton.language as tl
 
 from . import tile_terms
-from ._common import round_to
 from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, LOG2E, chunk_tile_rows, gate_sums,
-                        gated_operands, load_rows, load_tile, sequence_of, tile_forward_terms,
-                        tile_rows, tile_state_step, walk_start)
-from .dplr_tile_bwd import state_grad_step, tile_backward
+                        gated_operands, load_rows, sequence_of, tile_forward_step, tile_rows,
+                        walk_start)
+from .dplr_tile_bwd import state_grad_step, tile_backward_stored
 
 BT = 16
 
@@ -110,29 +109,12 @@ def chunk_grads_kernel(q, k, v, a, b, gk, h_saved, dh_chunks, do, chunk_start, c
             h = h_chunk
             for t_before in range(t):  # the state entering tile t
                 tok, valid = chunk_tile_rows(start, length, t_before, BT)
-                q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
-                                                         H, K, V, 0, V)
-                (qg, kg, bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,
-                 _centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype,
-                                               EXACT, BT)
-                _o, _vn, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid,
-                                             dtype, STATE_SPLIT)
+                h = tile_forward_step(q, k, v, a, b, gk, tok, valid, i_h, H, K, V, h, scale,
+                                      dtype, EXACT, BT, STATE_SPLIT)
             tok, valid = chunk_tile_rows(start, length, t, BT)
-            q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h,
-                                                     H, K, V, 0, V)
-            do_t = load_rows(do, tok, valid, i_h, H, V, 0, V)
-            dq_t, dk_t, dv_t, da_t, db_t, dg_t, dh = tile_backward(
-                q_t, k_t, a_t, b_t, v_t, g_t, do_t, h, dh, valid, scale, dtype, EXACT, BT,
-                STATE_SPLIT)
-            row_k = (tok[:, None] * H + i_h) * K + tl.arange(0, K)[None, :]
-            row_v = (tok[:, None] * H + i_h) * V + tl.arange(0, V)[None, :]
-            m = valid[:, None]
-            tl.store(dq + row_k, round_to(dq_t, dtype), mask=m)
-            tl.store(dk + row_k, round_to(dk_t, dtype), mask=m)
-            tl.store(da + row_k, round_to(da_t, dtype), mask=m)
-            tl.store(db + row_k, round_to(db_t, dtype), mask=m)
-            tl.store(dv + row_v, round_to(dv_t, dtype), mask=m)
-            tl.store(dgk + row_k, round_to(dg_t, dgk.dtype.element_ty), mask=m)
+            dh = tile_backward_stored(q, k, v, a, b, gk, do, tok, valid, i_h, H, K, V, h, dh,
+                                      dq, dk, dv, da, db, dgk, scale, dtype, EXACT, BT,
+                                      STATE_SPLIT)
 
 
 def launch_walk(q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_chunks, dh0,

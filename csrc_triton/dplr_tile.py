@@ -292,3 +292,16 @@ def tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v, valid, dtype: tl.con
     h_next = dot(tl.trans(kg), v.to(dtype), h_next)
     h_next = dot2(tl.trans(bg), vn_hi, vn_lo, h_next, SPLIT)
     return o, v_new, h_next
+
+
+@triton.jit
+def tile_forward_step(q, k, v, a, b, gk, tok, valid, i_h, H, K: tl.constexpr,
+                      V: tl.constexpr, h, scale, dtype: tl.constexpr, EXACT: tl.constexpr,
+                      BT: tl.constexpr, SPLIT: tl.constexpr):
+    """The state leaving a tile (all V columns) from the state ``h`` entering it, the tile's
+    terms recomputed from its inputs: the backward's recompute of a state it did not keep."""
+    q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K, V, 0, V)
+    (qg, kg, bg, w, u, A_qk, A_qb, Gl, _Ainv, _A_ak, _A_ab, _ag, _G, _Ge,
+     _centre) = tile_forward_terms(q_t, k_t, a_t, b_t, v_t, g_t, scale, dtype, EXACT, BT)
+    _o, _vn, h = tile_state_step(h, qg, kg, bg, w, u, A_qk, A_qb, Gl, v_t, valid, dtype, SPLIT)
+    return h

@@ -20,9 +20,9 @@ products.
 import triton
 import triton.language as tl
 
-from ._common import dot
+from ._common import dot, round_to
 from .dplr_tile import (centred_fits, centred_operands, col_of, dot2, key_row_factors,
-                        split_hi_lo, tile_forward_terms)
+                        load_rows, load_tile, split_hi_lo, tile_forward_terms)
 
 
 @triton.jit
@@ -145,3 +145,26 @@ def tile_backward(q, k, a, b, v, g, do, h, dh, valid, scale, dtype: tl.constexpr
     from_end = tl.cumsum(dG + dGe, axis=0, reverse=True) - dGe
     dgk = tl.where(valid[:, None], from_end + dGl[None, :], 0.0)
     return dq, dk, dv, da, db, dgk, dh_in
+
+
+@triton.jit
+def tile_backward_stored(q, k, v, a, b, gk, do, tok, valid, i_h, H, K: tl.constexpr,
+                         V: tl.constexpr, h, dh, dq, dk, dv, da, db, dgk, scale,
+                         dtype: tl.constexpr, EXACT: tl.constexpr, BT: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    """:func:`tile_backward` of the tile at ``tok`` from its inputs in HBM, its gradients
+    stored there; returns the gradient of the state entering the tile."""
+    q_t, k_t, a_t, b_t, g_t, v_t = load_tile(q, k, v, a, b, gk, tok, valid, i_h, H, K, V, 0, V)
+    do_t = load_rows(do, tok, valid, i_h, H, V, 0, V)
+    dq_t, dk_t, dv_t, da_t, db_t, dg_t, dh = tile_backward(
+        q_t, k_t, a_t, b_t, v_t, g_t, do_t, h, dh, valid, scale, dtype, EXACT, BT, SPLIT)
+    row_k = (tok[:, None] * H + i_h) * K + tl.arange(0, K)[None, :]
+    row_v = (tok[:, None] * H + i_h) * V + tl.arange(0, V)[None, :]
+    m = valid[:, None]
+    tl.store(dq + row_k, round_to(dq_t, dtype), mask=m)
+    tl.store(dk + row_k, round_to(dk_t, dtype), mask=m)
+    tl.store(da + row_k, round_to(da_t, dtype), mask=m)
+    tl.store(db + row_k, round_to(db_t, dtype), mask=m)
+    tl.store(dv + row_v, round_to(dv_t, dtype), mask=m)
+    tl.store(dgk + row_k, round_to(dg_t, dgk.dtype.element_ty), mask=m)
+    return dh
