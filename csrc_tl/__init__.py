@@ -16,9 +16,10 @@ KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "st
                   "state_bwd_split")
 
 #: The DSA op family's kernels (``torch_dplr.dsa``), same conventions. A list of their own, so
-#: the DPLR dispatch, its precompile and its compile test never build them
-#: (``every_variant(DSA_KERNEL_MODULES)`` lists their variants; ``torch_dplr/dsa/ops`` runs them).
-DSA_KERNEL_MODULES = ("dsa_sparse_mla_fwd",)
+#: the DPLR dispatch and its compile test never build them (``every_variant(DSA_KERNEL_MODULES)``
+#: lists their variants; ``torch_dplr/dsa/ops`` runs them; ``python -m torch_dplr precompile``
+#: builds both lists unless told one family).
+DSA_KERNEL_MODULES = ("dsa_sparse_mla_fwd", "dsa_sparse_mla_bwd")
 
 
 def every_variant(names=KERNEL_MODULES):

@@ -6,7 +6,9 @@
   which calls take the kernel, that the decision and the launch read no tensor value (meta
   tensors have none), the fallbacks; a CPU model of the kernel's roundings (P rounded to the
   data dtype for the P · V product) against the bars.
-* nvcc, no GPU: every variant the op can pick compiled for sm_90a into an empty TileLang cache.
+* nvcc, no GPU: every variant of every DSA kernel family (``csrc_tl.DSA_KERNEL_MODULES``: this
+  forward and the backward) compiled for sm_90a into an empty TileLang cache; the precompile
+  step and the sanitizer driver cover them.
 * GPU (marker ``cuda``): o and lse against ``torch_dplr.dsa.reference.sparse_mla.sparse_mla_fwd``
   run in fp32, o taken before its rounding to the input dtype (the bars of
   ``torch_dplr.dsa.testing.TOLERANCES`` are against an unrounded reference): through the op at
@@ -18,6 +20,8 @@
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 import math
 
@@ -26,6 +30,7 @@ import torch
 
 tilelang = pytest.importorskip("tilelang")
 
+import csrc_tl  # noqa: E402
 from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import dsa_sparse_mla_fwd as smla  # noqa: E402
 from csrc_tl.launch_check import launch_checker  # noqa: E402
@@ -314,28 +319,84 @@ def test_rounding_model_meets_the_bars(dtype, block_I):
 # ---------------------------------------------------------------- nvcc, no GPU
 
 
+SOURCE_CHECKS = {  # family: what its kernel source must show, beyond what every one must
+    # wgmma where a CTA's 64 heads fill a warpgroup's M, mma.sync below
+    "dsa_sparse_mla_fwd": lambda src, c: ("wgmma_ss" in src) == (c["block_H"] == 64)
+    != ("mma_sync" in src),
+    # products with an M of 64 are wgmma (the heads' at 64 heads per CTA, dkv's at 64 slots per
+    # block), the others mma.sync; dkv added with 16-byte fp32 atomics
+    "dsa_sparse_mla_bwd": lambda src, c: "wgmma_ss" in src and "AtomicAddx4" in src
+    and ("mma_sync" in src) == (min(c["block_H"], _bwd_slots(c)) < 64),
+}
+
+
+def _bwd_slots(config):
+    from csrc_tl import dsa_sparse_mla_bwd
+
+    return dsa_sparse_mla_bwd.block_slots(config["D_qk"], config["d_v"], config["block_H"])
+
+
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found")
-def test_every_variant_compiles(cold_cache):
+@pytest.mark.parametrize("family", csrc_tl.DSA_KERNEL_MODULES)
+def test_every_variant_compiles(cold_cache, family):
+    """Every variant of every DSA kernel family, compiled for sm_90a into an empty cache;
+    prints each kernel's compile time."""
     from tvm import tirx
 
-    configs = list(smla.variants())
+    module = importlib.import_module(f"csrc_tl.{family}")
+    factory = getattr(module, f"{family}_kernel")
+    configs = list(module.variants())
     lines = []
-    tlc.build_all([(FACTORY, c) for c in configs], progress=lines.append, load=False)
+    tlc.build_all([(factory, c) for c in configs], progress=lines.append, load=False)
     print("\n".join(lines))
     done = [line for line in lines if line.startswith("[")]
     assert len(done) == len(configs) and not any("FAILED" in line for line in done), lines
-    assert all(tlc.on_disk(FACTORY, **c) for c in configs)
+    assert all(tlc.on_disk(factory, **c) for c in configs)
     for config in configs:  # every kernel loads from the cache the workers filled
-        kernel = tlc.build(FACTORY, **config)
+        kernel = tlc.build(factory, **config)
         src = kernel.get_kernel_source()
         assert "__global__" in src and "cp_async" in src, config
         assert "CUtensorMap" not in src, config  # no TMA descriptors encoded per launch
-        # wgmma with a full warpgroup M of 64 heads, mma.sync below
-        assert ("wgmma_ss" in src) == (config["block_H"] == 64) != ("mma_sync" in src), config
+        assert SOURCE_CHECKS.get(family, lambda *_: True)(src, config), config
         # every size but the dims is symbolic: one build serves every T, T_kv, H and k
         names = {str(d) for p in kernel.params for d in p.shape if isinstance(d, tirx.Var)}
         for size in ("T", "T_kv", "H", "K"):
             assert any(n == size or n.startswith(size + "_") for n in names), (config, names)
+
+
+@pytest.mark.parametrize("family", ["all", "dsa", "dplr"])
+def test_precompile_builds_the_dsa_variants(monkeypatch, family):
+    """``python -m torch_dplr precompile`` compiles every DSA variant with the DPLR ones
+    (``--family`` picks one list), never for a DPLR configuration."""
+    from torch_dplr import precompile
+
+    built = []
+    monkeypatch.setattr(csrc_tl, "build_all", lambda items, **kw: built.extend(items))
+    assert precompile.main(["--family", family]) == 0
+    dsa = list(csrc_tl.every_variant(csrc_tl.DSA_KERNEL_MODULES))
+    dplr = list(csrc_tl.every_variant())
+    assert built == dict(all=dplr + dsa, dsa=dsa, dplr=dplr)[family]
+    built.clear()
+    assert precompile.main(["--chunk-size", "64", "--head-dim", "64"]) == 0
+    assert built and not any(f.__module__.startswith("csrc_tl.dsa_") for f, _ in built)
+    with pytest.raises(SystemExit):  # a DPLR configuration with the DSA family
+        precompile.main(["--chunk-size", "64", "--head-dim", "64", "--family", "dsa"])
+
+
+def test_sanitizer_driver_runs_every_dsa_variant():
+    """tools/sanitize_kernels.py runs the sparse MLA forward's variants forward and backward:
+    the backward builds exactly those, and the driver's head counts pick each one."""
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "sanitize_kernels.py"
+    spec = importlib.util.spec_from_file_location("sanitize_kernels", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    every = list(smla.variants())
+    assert list(importlib.import_module("csrc_tl.dsa_sparse_mla_bwd").variants()) == every
+    for c in every:
+        H = tool.DSA_HEADS[c["block_H"]]
+        assert smla.config_for(c["D_qk"], c["d_v"], H, getattr(torch, c["dtype"])) == c
 
 
 # ---------------------------------------------------------------- GPU

@@ -1,15 +1,21 @@
 """Runs every TileLang kernel once or more at small shapes, for compute-sanitizer.
 
-    compute-sanitizer --tool racecheck python tools/sanitize_kernels.py
-    compute-sanitizer --tool memcheck  python tools/sanitize_kernels.py
+    compute-sanitizer --tool racecheck python tools/sanitize_kernels.py [dplr | dsa]
+    compute-sanitizer --tool memcheck  python tools/sanitize_kernels.py [dplr | dsa]
+
+(a family's kernels only with its name; both without).
 
 Covers the six kernels (intra fwd/bwd in both gate schemes, WY fwd/bwd, state fwd/bwd) at
 K = V = 64 and 128 and chunk 16 and 64, rect with state and varlen (empty and 1-token
 sequences, a partial last chunk) without, through the public op (forward + backward), each on
 a small grid (2 heads: the state backward runs its split kernels) and on one with as many
 (sequence, head) pairs as SMs (its single kernel); then the fused no-grad forward
-(C = K = V = 64) rect with state and varlen, with enough pairs for it to apply; fails if any
-stage fell back to its PyTorch kernel.
+(C = K = V = 64) rect with state and varlen, with enough pairs for it to apply; then every
+variant of the DSA sparse MLA kernels (``csrc_tl.dsa_sparse_mla_fwd`` / ``_bwd``: each
+(D_qk, d_v) x dtype x heads per CTA) once, through ``torch.ops.dsa.sparse_mla_fwd``'s autograd,
+with a padded head block, k not a multiple of the slot block, -1 and out-of-range slots, a row
+without a valid slot, kv rows shared by many tokens (the backward's atomics) and a kv longer
+than q; fails if any stage or DSA op fell back to its PyTorch kernel.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import sys
 import torch
 
 import torch_dplr
+from csrc_tl import dsa_sparse_mla_fwd
+from torch_dplr.dsa.testing import forbid_pytorch_kernels
 from torch_dplr.testing import RWKV7_BOUND, forbid_pytorch_stages, make_inputs
 
 
@@ -56,7 +64,32 @@ def run_fused(varlen):
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
 
 
-def main() -> int:
+# heads per DSA variant's block: a full block, a padded one, two blocks of 64 (one padded)
+DSA_HEADS = {16: 16, 32: 20, 64: 96}
+
+
+def run_dsa(config):
+    """One sparse MLA variant, forward and backward: T 40, T_kv 150, k 100 (slot blocks of 32
+    or 64: a partial last one)."""
+    D_qk, d_v, dtype = config["D_qk"], config["d_v"], getattr(torch, config["dtype"])
+    H = DSA_HEADS[config["block_H"]]
+    assert dsa_sparse_mla_fwd.config_for(D_qk, d_v, H, dtype) == config
+    T, T_kv, k = 40, 150, 100
+    gen = torch.Generator().manual_seed(H)
+    q = torch.randn(T, H, D_qk, generator=gen).to("cuda", dtype).requires_grad_()
+    kv = torch.randn(T_kv, D_qk, generator=gen).to("cuda", dtype).requires_grad_()
+    idx = torch.stack([torch.randperm(T_kv + 1, generator=gen)[:k] - 1 for _ in range(T)])
+    idx[:, ::7] = T_kv + 3  # out of range: an empty slot, never read
+    idx[5] = -1  # no valid slot
+    idx = idx.to("cuda", torch.int32)
+    o, lse = torch.ops.dsa.sparse_mla_fwd(q, kv, idx, D_qk ** -0.5, d_v)
+    finite = torch.where(torch.isfinite(lse), lse, 0.0)
+    (o.float().sum() + finite.sum()).backward()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(x).all() for x in (o, q.grad, kv.grad))
+
+
+def run_dplr():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with forbid_pytorch_stages():
         for C in (16, 64):
@@ -70,6 +103,20 @@ def main() -> int:
         for varlen in (False, True):
             run_fused(varlen)
             print(f"ran fused forward varlen={varlen}", flush=True)
+
+
+def main(argv=None) -> int:
+    families = sys.argv[1:] if argv is None else argv
+    if not set(families) <= {"dplr", "dsa"}:
+        print(f"usage: {sys.argv[0]} [dplr | dsa]", file=sys.stderr)
+        return 2
+    if not families or "dplr" in families:
+        run_dplr()
+    if not families or "dsa" in families:
+        with forbid_pytorch_kernels():  # the backward's variants are the forward's
+            for config in dsa_sparse_mla_fwd.variants():
+                run_dsa(config)
+                print(f"ran DSA sparse MLA fwd + bwd {config}", flush=True)
     return 0
 
 

@@ -1,12 +1,14 @@
 """``python -m torch_dplr precompile``: compile the TileLang kernels before first use.
 
-Without options it compiles every kernel variant the library can run (172; a GPU host
-with 16 cores needs a few minutes, once); with ``--chunk-size``/``--head-dim``/``--dtype``
-only the kernels of that configuration (what first calls would compile: the six stage
-kernels, the small-grid state backward's two, and the fused no-grad forward where it
-applies).  Kernels land in TileLang's disk cache (``TILELANG_CACHE_DIR``, default
-``~/.tilelang/cache``).  No GPU is needed: a cache filled on a CPU machine with nvcc serves
-the H100/H200.
+Without options it compiles every kernel variant the library can run: the DPLR kernels
+(172) and the DSA ops' (``csrc_tl.DSA_KERNEL_MODULES``: the sparse MLA forward and backward,
+36, about a fifth more compile time); a GPU host with 16 cores needs a few minutes, once.
+``--family dplr`` or ``--family dsa`` compiles one family's variants only.  With
+``--chunk-size``/``--head-dim``/``--dtype`` only the DPLR kernels of that configuration
+(what first calls would compile: the six stage kernels, the small-grid state backward's two,
+and the fused no-grad forward where it applies).  Kernels land in TileLang's disk cache
+(``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``).  No GPU is needed: a cache filled on
+a CPU machine with nvcc serves the H100/H200.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def main(argv=None) -> int:
                         help="dtype of gk: float32 or the same as --dtype")
     parser.add_argument("--lower-bound", type=float, default=float("-inf"),
                         help="declared gate bound (e.g. -0.6065 for RWKV-7)")
+    parser.add_argument("--family", choices=("all", "dplr", "dsa"), default="all",
+                        help="without a configuration: whose variants to compile")
     parser.add_argument("--workers", type=int, default=None, help="compile processes (default: cores)")
     args = parser.parse_args(argv)
     try:
@@ -37,9 +41,13 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     if args.chunk_size is None and args.head_dim is None:
-        items = list(csrc_tl.every_variant())
+        families = dict(dplr=csrc_tl.KERNEL_MODULES, dsa=csrc_tl.DSA_KERNEL_MODULES)
+        items = [item for name in (families if args.family == "all" else [args.family])
+                 for item in csrc_tl.every_variant(families[name])]
     elif args.chunk_size is None or args.head_dim is None:
         parser.error("--chunk-size and --head-dim go together (or neither, for every variant)")
+    elif args.family == "dsa":
+        parser.error("--chunk-size and --head-dim name a DPLR configuration, not a DSA one")
     else:
         dtype = getattr(torch, args.dtype)
         gate = dtype if args.gate_dtype == "same" else torch.float32

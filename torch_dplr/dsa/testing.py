@@ -6,6 +6,8 @@ from ``torch.autograd``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..testing import rms_ratio
@@ -213,3 +215,28 @@ class TinyDSALayer(torch.nn.Module):
                             topk=self.topk, scale=self.scale, d_v=self.kv_rank,
                             cu_seqlens=cu_seqlens, indexer_loss_coeff=self.loss_coeff)
         return self.wo(out.o.reshape(T, -1)), out.indexer_loss
+
+
+#: The PyTorch kernels that a DSA op with a TileLang kernel falls back to on CUDA.
+PYTORCH_KERNELS = ("sparse_mla_fwd_reference", "sparse_mla_bwd_reference")
+
+
+@contextlib.contextmanager
+def forbid_pytorch_kernels():
+    """Inside, a DSA op whose CUDA function would fall back to its PyTorch kernel raises
+    instead: proof that a call ran its TileLang kernel (GPU tests, the sanitizer driver)."""
+    from .ops import sparse_mla
+
+    def failing(name):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"{name} ran: the TileLang kernel was not used")
+        return fail
+
+    saved = {name: getattr(sparse_mla, name) for name in PYTORCH_KERNELS}
+    try:
+        for name in PYTORCH_KERNELS:
+            setattr(sparse_mla, name, failing(name))
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(sparse_mla, name, original)

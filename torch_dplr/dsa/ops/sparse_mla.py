@@ -14,11 +14,18 @@ log-sum-exp of ``scale · q · kv`` over the valid slots, fp32 (fp64 for fp64 in
 without a valid slot gives ``o = 0`` and ``lse = -inf``.  The backward takes ``dlse`` (zeros when
 lse got no gradient) and returns ``dq``, ``dkv`` in their inputs' dtypes (fp32 accumulation).
 
-On CUDA the forward runs the TileLang kernel ``csrc_tl.dsa_sparse_mla_fwd`` where one is built
-(:func:`_tilelang_kernel`: bf16 / fp16, (D_qk, d_v) in its ``DIMS``, an sm_90 GPU); there an
-index outside ``[-1, T_kv)`` is not rejected (that would read the indices on the host) but
-counts as an empty slot.  Everything else, and the backward, runs the PyTorch kernel.
+On CUDA the forward and the backward run the TileLang kernels ``csrc_tl.dsa_sparse_mla_fwd``
+and ``csrc_tl.dsa_sparse_mla_bwd`` where one is built (:func:`_tilelang_kernel`: bf16 / fp16,
+(D_qk, d_v) in their ``DIMS``, an sm_90 GPU; the backward's ``o`` and ``do`` in q's dtype,
+``lse`` and ``dlse`` fp32); there an index outside ``[-1, T_kv)`` is not rejected (that would
+read the indices on the host) but counts as an empty slot.  The backward kernel adds dkv with
+fp32 atomics, so its dkv may differ between runs by fp32 reordering error (bound in the
+kernel's docstring); it is opt-in (:data:`BWD_KERNEL_SWITCH` set to 1): its GPU tests
+(tests/test_tl_dsa_sparse_mla_bwd.py) have not run on an H200.  Everything else runs the
+PyTorch kernel.
 """
+import os
+
 from torch import Tensor
 import torch
 
@@ -56,23 +63,24 @@ def _(q, kv, indices, scale, d_v):
     return allocate(sparse_mla_fwd_shapes(q, d_v), q.device)
 
 
-def _tilelang_kernel(q: Tensor, kv: Tensor, indices: Tensor, d_v: int):
-    """The TileLang kernel of this call, or None (the PyTorch kernel runs): q and kv bf16 or
-    fp16 of one dtype, int32 indices, at least one token, head, kv row and slot, a variant built
-    for its dims (``csrc_tl.dsa_sparse_mla_fwd.config_for``), an sm_90 GPU.  Shapes, dtypes and
-    the device only: no tensor value is read."""
+def _tilelang_kernel(family: str, q: Tensor, kv: Tensor, indices: Tensor, d_v: int):
+    """The TileLang kernel ``csrc_tl.<family>`` of this call, or None (the PyTorch kernel
+    runs): q and kv bf16 or fp16 of one dtype, int32 indices, at least one token, head, kv row
+    and slot, a variant built for its dims (``csrc_tl.dsa_sparse_mla_fwd.config_for``, which
+    the backward shares), an sm_90 GPU.  Shapes, dtypes and the device only: no tensor value
+    is read."""
     if not (q.dtype in KERNEL_DTYPES and kv.dtype == q.dtype and indices.dtype == torch.int32
             and q.numel() and kv.numel() and indices.shape[1] and tilelang_usable(q.device)):
         return None
     from csrc_tl.dsa_sparse_mla_fwd import config_for  # TileLang is importable (checked above)
 
     config = config_for(q.shape[2], d_v, q.shape[1], q.dtype)
-    return None if config is None else kernel_for("dsa_sparse_mla_fwd", config)
+    return None if config is None else kernel_for(family, config)
 
 
 def _aligned(x: Tensor) -> Tensor:
-    """Contiguous and 16-byte aligned, as the kernel's cp.async needs: copied only when a view
-    starts elsewhere."""
+    """Contiguous and 16-byte aligned, as the kernels' 16-byte loads (cp.async, vector loads)
+    need: copied only when a view starts elsewhere."""
     x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
@@ -80,7 +88,7 @@ def _aligned(x: Tensor) -> Tensor:
 @sparse_mla_fwd.register_kernel("cuda")
 @without_autocast
 def sparse_mla_fwd_cuda(q, kv, indices, scale, d_v):
-    kernel = _tilelang_kernel(q, kv, indices, d_v)
+    kernel = _tilelang_kernel("dsa_sparse_mla_fwd", q, kv, indices, d_v)
     if kernel is None:
         return sparse_mla_fwd_reference(q, kv, indices, scale, d_v)
     o, lse = allocate(sparse_mla_fwd_shapes(q, d_v), q.device)
@@ -111,6 +119,27 @@ sparse_mla_bwd = torch.library.custom_op("dsa::sparse_mla_bwd", mutates_args=())
 @sparse_mla_bwd.register_fake
 def _(q, kv, indices, o, lse, do, dlse, scale, d_v):
     return allocate(sparse_mla_bwd_shapes(q, kv), q.device)
+
+
+#: Environment variable that lets ``sparse_mla_bwd`` run its TileLang kernel ("1").
+BWD_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_BWD"
+
+
+@sparse_mla_bwd.register_kernel("cuda")
+@without_autocast
+def sparse_mla_bwd_cuda(q, kv, indices, o, lse, do, dlse, scale, d_v):
+    kernel = None
+    if (os.environ.get(BWD_KERNEL_SWITCH) == "1" and o.dtype == do.dtype == q.dtype
+            and lse.dtype == dlse.dtype == torch.float32):
+        kernel = _tilelang_kernel("dsa_sparse_mla_bwd", q, kv, indices, d_v)
+    if kernel is None:
+        return sparse_mla_bwd_reference(q, kv, indices, o, lse, do, dlse, scale, d_v)
+    dq, dkv = allocate(sparse_mla_bwd_shapes(q, kv), q.device)
+    dkv_acc = torch.zeros(dkv.shape, dtype=torch.float32, device=kv.device)  # the atomics' sum
+    kernel(_aligned(q), _aligned(kv), indices.contiguous(), _aligned(o), lse.contiguous(),
+           _aligned(do), dlse.contiguous(), float(scale), dq, dkv_acc)
+    dkv.copy_(dkv_acc)
+    return dq, dkv
 
 
 def _setup_context(ctx, inputs, output):
