@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 
 from ._common import round_to
-from .dplr_tile import (keep_chunk_state, walk_start, EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, load_tile, sequence_of,
-                        tile_forward_terms, tile_rows, tile_state_step)
+from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, keep_chunk_state,
+                        load_tile, sequence_of, tile_forward_terms, tile_rows, tile_state_step,
+                        walk_start)
 
 BT_DEFAULT = 16
 
