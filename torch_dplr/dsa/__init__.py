@@ -33,8 +33,9 @@ coeff, reduction)``                                                       indice
 
 GPU kernels: ``sparse_mla_fwd`` runs the TileLang kernel ``csrc_tl.dsa_sparse_mla_fwd`` on
 sm_90 for bf16 / fp16 data at (D_qk, d_v) = (576, 512), (192, 128) or (64, 64)
-(``torch_dplr/dsa/ops/sparse_mla.py`` decides, from shapes and dtypes only); docs/dsa.md lists
-which calls take it.
+(``torch_dplr/dsa/ops/sparse_mla.py`` decides, from shapes and dtypes only); ``sparse_mla_bwd``
+and ``indexer_topk`` have TileLang kernels too, opt-in (``TORCH_DPLR_DSA_TILELANG_BWD=1``,
+``TORCH_DPLR_DSA_TILELANG_TOPK=1``); docs/dsa.md lists which calls take them.
 
 Conventions (Megatron-LM's unfused DSA path where it defines one):
 

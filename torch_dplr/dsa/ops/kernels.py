@@ -18,6 +18,13 @@ _kernels: dict[tuple, object] = {}  # (family, config) -> kernel, or None when i
 _MISSING = object()
 
 
+def aligned(x):
+    """Contiguous and 16-byte aligned, as the kernels' 16-byte loads (cp.async, vector loads)
+    need: copied only when a view starts elsewhere."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def kernel_for(family: str, config: dict):
     """The compiled kernel of ``csrc_tl.<family>`` for ``config``, or None (no nvcc, a TileLang
     error): the op then runs its PyTorch kernel."""

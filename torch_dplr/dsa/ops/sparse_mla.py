@@ -33,6 +33,7 @@ from ...ops.chunked import without_autocast
 from ...ops.tilelang_path import KERNEL_DTYPES, tilelang_usable
 from ..reference import sparse_mla as ref
 from ..reference.layout import check_index_range
+from .kernels import aligned as _aligned
 from .kernels import kernel_for
 from .shapes import acc_dtype, allocate, sparse_mla_bwd_shapes, sparse_mla_fwd_shapes
 
@@ -76,13 +77,6 @@ def _tilelang_kernel(family: str, q: Tensor, kv: Tensor, indices: Tensor, d_v: i
 
     config = config_for(q.shape[2], d_v, q.shape[1], q.dtype)
     return None if config is None else kernel_for(family, config)
-
-
-def _aligned(x: Tensor) -> Tensor:
-    """Contiguous and 16-byte aligned, as the kernels' 16-byte loads (cp.async, vector loads)
-    need: copied only when a view starts elsewhere."""
-    x = x.contiguous()
-    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 @sparse_mla_fwd.register_kernel("cuda")
