@@ -123,7 +123,7 @@ def device_stem(device: torch.device) -> str:
 
 def _git_commit() -> str | None:
     """The code's commit: ``$TORCH_DPLR_GIT_COMMIT`` when set (the GPU bundle sets it: the
-    lent machine's copy of ``.git`` can lag the working tree that travels), else git's HEAD."""
+    GPU host's copy of ``.git`` can lag the working tree that travels), else git's HEAD."""
     if os.environ.get("TORCH_DPLR_GIT_COMMIT"):
         return os.environ["TORCH_DPLR_GIT_COMMIT"]
     try:
@@ -199,7 +199,7 @@ def run_meta(device, fla) -> dict:
 def install_fla_autotune_cache() -> str:
     """Unpack FLA's Triton autotune results into Triton's cache unless they are there.
 
-    ``.devsite/setup.sh`` already does it on the GPU machine; this covers runs without it.
+    The GPU host's setup script may already have done it; this covers runs without it.
     The tarball is ``$TORCH_DPLR_BENCH_FLA_AUTOTUNE`` or the first of AUTOTUNE_CANDIDATES.
     """
     given = os.environ.get(AUTOTUNE_ENV)

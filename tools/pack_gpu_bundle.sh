@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Packs what a GPU run needs into the ignored folder .gpu/ (kept small, under 64 MiB, to copy
-# to the GPU host with the checkout): the site bundle from ../shared/device/make-bundle.sh (TileLang, FLA 0.6.0) and
-# FLA's Triton autotune cache. Kernels are compiled on the GPU host itself (16 cores, ~2 min
-# for every variant: `python -m torch_dplr precompile`); a kernel cache brought back from an
-# earlier run ($OUT/tlcache.tar.xz, see gpu_run.sh) is carried too when KERNEL_CACHE names it,
+# to the GPU host with the checkout): the site bundle of the packages the GPU host lacks
+# (TileLang, FLA 0.6.0) and FLA's Triton autotune cache. Kernels are compiled on the GPU host
+# itself (16 cores, ~2 min for every variant: `python -m torch_dplr precompile`); a kernel cache
+# saved by a GPU run ($OUT/tlcache.tar.xz, see gpu_run.sh) is carried too when KERNEL_CACHE names it,
 # and FLA's tuning and TileLang kernels from one ($OUT/fla_cache.tar.xz) when FLA_CACHE does.
 # A kernel cache built on this CPU machine (nvcc, no GPU): every variant, which the GPU tests
 # need (172 kernels; the envelope's 57 take about 344 s on 2 cores):
@@ -28,14 +28,14 @@ rm -rf .gpu.new && mkdir -p .gpu.new
 ln -f .devsite/site.tar.xz .gpu.new/site.tar.xz
 cp .devsite/fla_triton_autotune_h200.tar.xz .gpu.new/
 if [ -n "${KERNEL_CACHE:-}" ]; then cp "$KERNEL_CACHE" .gpu.new/tlcache.tar.xz; fi
-# FLA's tuning from an earlier envelope (fla_cache.tar.xz in its envelope.tgz), kept in the
+# FLA's tuning over the benchmark envelope (fla_cache.tar.xz in an envelope.tgz), kept in the
 # repository so that a fresh checkout has it: the harness then tunes none of the keys it holds
 # (without it FLA's first calls spend about 1600 s tuning over the envelope), and the prewarm
 # compiles only their chosen configurations
 FLA_CACHE=${FLA_CACHE-benchmarks/results/h200-fla-autotune.tar.xz}
 if [ -f "$FLA_CACHE" ]; then cp "$FLA_CACHE" .gpu.new/fla_cache.tar.xz; fi  # gpu_run.sh SAVE_FLA_CACHE
-# the state of an envelope run whose machine went back (its $OUT/envelope.tgz): envelope_run.sh
-# continues it on the fresh machine
+# the state of an unfinished envelope run (its $OUT/envelope.tgz): envelope_run.sh continues it
+# on another GPU host
 if [ -n "${ENVELOPE_STATE:-}" ]; then cp "$ENVELOPE_STATE" .gpu.new/envelope_state.tgz; fi
 # wind_rwkv's chunked_cuda sources (benchmarks/wind_route.py; gpu_setup.sh points
 # TORCH_DPLR_WIND_RWKV at them): WIND_SRC is a checkout of github.com/johanwind/wind_rwkv or a
