@@ -156,12 +156,9 @@ def split_backward(q, k, v, a, b, gk, h, do, dht, tables, dq, dk, dv, da, db, dg
     ``chunk_size``, the same ``state_split``), as ``chunk_bwd.launch`` (forward walks);
     ``tables``: the call's ``KernelTables`` at ``chunk_size``; buffers allocated here, freed
     when this returns; ``terms_warps`` (0: ``num_warps``) the tile terms' warps."""
-    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
-    w, u = q.new_empty(1, T, H, K), v.new_empty(1, T, H, V)
-    A_qk, A_qb = q.new_empty(1, T, H, BT), q.new_empty(1, T, H, BT)
-    tile_flags = tables.chunk_start.new_empty(tables.chunk_start.shape[0] * (chunk_size // BT), H)
-    tile_terms.launch(q, k, v, a, b, gk, tables.chunk_start, tables.chunk_len, w, u, A_qk, A_qb,
-                      tile_flags, scale, chunk_size, bounded, num_warps=terms_warps or num_warps)
+    w, _u, _A_qk, A_qb, tile_flags = tile_terms.compute(q, k, v, a, b, gk, tables, scale,
+                                                        chunk_size, bounded,
+                                                        num_warps=terms_warps or num_warps)
     dh_chunks = h.new_empty(h.shape)
     launch_walk(q, b, gk, w, A_qb, do, dht, tables.cu_seqlens, tables.chunk_offsets, dh_chunks,
                 dh0, scale, chunk_size, use_dht, write_dh0, num_warps=num_warps,

@@ -113,13 +113,9 @@ def split_forward(q, k, v, a, b, gk, h0, tables, o, ht, h, flags, scale: float, 
     terms in parallel (:mod:`csrc_triton.tile_terms`, into buffers allocated here, freed when
     this returns), then the state walk.  ``tables``: the call's ``KernelTables`` at
     ``chunk_size``; ``terms_warps`` (0: ``num_warps``) the tile terms' warps."""
-    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
-    slots = tables.chunk_start.shape[0]
-    w, u = q.new_empty(1, T, H, K), v.new_empty(1, T, H, V)
-    A_qk, A_qb = q.new_empty(1, T, H, BT), q.new_empty(1, T, H, BT)
-    tile_flags = flags.new_empty(slots * (chunk_size // BT), H)
-    tile_terms.launch(q, k, v, a, b, gk, tables.chunk_start, tables.chunk_len, w, u, A_qk, A_qb,
-                      tile_flags, scale, chunk_size, bounded, num_warps=terms_warps or num_warps)
+    w, u, A_qk, A_qb, _tile_flags = tile_terms.compute(q, k, v, a, b, gk, tables, scale,
+                                                       chunk_size, bounded,
+                                                       num_warps=terms_warps or num_warps)
     launch(q, k, v, b, gk, w, u, A_qk, A_qb, h0, tables.cu_seqlens, tables.chunk_offsets, o, ht,
            h, flags, scale, chunk_size, use_h0, store_h, num_warps=num_warps, block_v=block_v,
            num_stages=num_stages, state_split=state_split)

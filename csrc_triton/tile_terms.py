@@ -88,6 +88,19 @@ def tile_terms_kernel(q, k, v, a, b, gk, chunk_start, chunk_len, w_out, u_out, A
         tl.store(flag, 0)
 
 
+def compute(q, k, v, a, b, gk, tables, scale: float, chunk_size: int, bounded: bool,
+            num_warps: int = 4):
+    """Every tile's terms into buffers allocated here: ``(w, u, A_qk, A_qb, tile_flags)``;
+    ``tables``: the call's ``KernelTables`` at ``chunk_size``."""
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
+    terms = (q.new_empty(1, T, H, K), v.new_empty(1, T, H, V), q.new_empty(1, T, H, BT),
+             q.new_empty(1, T, H, BT),
+             tables.chunk_start.new_empty(tables.chunk_start.shape[0] * (chunk_size // BT), H))
+    launch(q, k, v, a, b, gk, tables.chunk_start, tables.chunk_len, *terms, scale, chunk_size,
+           bounded, num_warps=num_warps)
+    return terms
+
+
 def launch(q, k, v, a, b, gk, chunk_start, chunk_len, w, u, A_qk, A_qb, tile_flags,
            scale: float, chunk_size: int, bounded: bool, num_warps: int = 4):
     """Every tile's ``w``, ``u``, ``A_qk``, ``A_qb``: ``FAST`` then ``EXACT_FLAGGED`` for a

@@ -34,8 +34,9 @@ from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import dsa_sparse_mla_bwd as bwd  # noqa: E402
 from csrc_tl import dsa_sparse_mla_fwd as fwd  # noqa: E402
 from csrc_tl.launch_check import launch_checker  # noqa: E402
-from test_tl_dsa_sparse_mla import (BF16, DEEPSEEK, FP16, causal_indices, dtype_id,  # noqa: E402
-                                    meta, random_inputs, reference, time_ms)
+from test_tl_dsa_sparse_mla import (BF16, DEEPSEEK, FP16, VARIANT_HEADS,  # noqa: E402
+                                    causal_indices, dtype_id, meta, random_inputs, reference,
+                                    time_ms, variant_id)
 from torch_dplr.dsa.ops import sparse_mla as op  # noqa: E402
 from torch_dplr.dsa.reference import sparse_mla as ref  # noqa: E402
 from torch_dplr.dsa.testing import TOLERANCES, forbid_pytorch_kernels  # noqa: E402
@@ -401,14 +402,6 @@ def test_deepseek_schedules(schedule):
     acc = torch.zeros(kv.shape, device="cuda")
     ms = time_ms(lambda: kernel(q, kv, idx, o, lse, do, dlse, scale, dq, acc))
     print(f"  {ms:.3f} ms (kernel only)")
-
-
-# a head count per head block: a full block, a padded one, a full 64 and a padded second 64
-VARIANT_HEADS = {16: 16, 32: 20, 64: 96}
-
-
-def variant_id(config):
-    return f"{config['D_qk']}-{config['d_v']}-{config['dtype']}-H{VARIANT_HEADS[config['block_H']]}"
 
 
 @pytest.mark.cuda
