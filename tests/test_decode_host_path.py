@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_dplr
 from torch_dplr import serving, validation
 from torch_dplr.ops import decode, recurrent
-from torch_dplr.ops.recurrent import call_op
+from torch_dplr.ops.direct_call import call_op
 from torch_dplr.ops.varlen import as_one_sequence_list
 from torch_dplr.testing import make_gates
 

@@ -14,7 +14,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
 from . import time_parallel
-from .ops.recurrent import call_op
+from .ops.direct_call import call_op
 from .validation import check_inputs
 
 DEFAULT_CHUNK_SIZE = 64

@@ -27,7 +27,7 @@ import torch
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
 from .api import _under_autocast
 from .ops.decode import check_slot_values, state_dtype
-from .ops.recurrent import call_op
+from .ops.direct_call import call_op
 from .reference.layout import check_cu_seqlens_values
 from .validation import check_inputs
 
