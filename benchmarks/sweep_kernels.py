@@ -6,7 +6,8 @@ Per (shape, chunk size, knobs) one JSON line: ``fwd`` (no states kept: the no-gr
 gradient from the kept states), and the split forward (``csrc_triton.state_sweep``) as
 ``split`` / ``split_states`` with its halves ``tile_terms`` and ``state_walk`` timed alone, and
 the split backward (``csrc_triton.chunk_grads``) as ``split_bwd`` with its ``grad_walk`` and
-``chunk_grads`` parts,
+``chunk_grads`` parts; ``--walk-rows 64`` (chunk 64) takes every chunk's terms
+(``csrc_triton.chunk_terms``, timed as ``tile_terms``) and walks a 64-row step per chunk,
 each in ms (:class:`benchmarks.timing.Timer`: CUDA events, L2 flushed, median), with ``*_mb``
 (the bytes each launch must move: every input read once, every output written once, the split's
 intermediates included, in 1e6 bytes) and ``*_gbps``.  Knobs: value blocks, warps, pipeline
@@ -17,6 +18,7 @@ bound: the centred scheme plus its exact pass).
     python -m benchmarks.sweep_kernels --out benchmarks/results/h200-sweep.jsonl
     python -m benchmarks.sweep_kernels --shapes design --block-v 64,32,16 --warps 4,2
     python -m benchmarks.sweep_kernels --shapes design,small --stages 1,3 --state-split 1,0
+    python -m benchmarks.sweep_kernels --walk-rows 16,64 --modes split_states,split_bwd
 """
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ def _mb(*tensors) -> float:
 class SweepCase:
     """One shape's inputs and every buffer of a sweep forward and backward at chunk size C."""
 
-    def __init__(self, shape: Shape, C: int):
+    def __init__(self, shape: Shape, C: int, walk_rows: int = 16):
         x = inputs.make(shape, "rwkv7", "cuda")
-        self.C = C
+        self.C, self.walk_rows = C, walk_rows
         self.cu = (x.cu_seqlens if x.cu_seqlens is not None
                    else torch.zeros(0, dtype=torch.int64, device="cuda"))
         self.tables = kernel_tables(self.cu, shape.B, shape.T, C, x.q.device)
@@ -61,9 +63,10 @@ class SweepCase:
         self.grads = [torch.empty_like(t) for t in self.tokens]
         self.dh0 = torch.empty_like(self.ht)
         q, v = self.tokens[0], self.tokens[2]
-        # the split forward's intermediates: w, u, A_qk, A_qb, per-tile flags
-        self.terms = (torch.empty_like(q), torch.empty_like(v), q.new_empty(*q.shape[:3], 16),
-                      q.new_empty(*q.shape[:3], 16))
+        # the split forward's intermediates: w, u, A_qk, A_qb (a row against its tile's or
+        # chunk's rows), per-16-row flags
+        self.terms = (torch.empty_like(q), torch.empty_like(v),
+                      q.new_empty(*q.shape[:3], walk_rows), q.new_empty(*q.shape[:3], walk_rows))
         self.tile_flags = torch.empty(self.tables.chunk_start.shape[0] * (C // 16), H,
                                       dtype=torch.int32, device="cuda")
         self.dh_chunks = torch.empty_like(self.states)
@@ -102,9 +105,14 @@ class SweepCase:
                          True, False, **knobs)
 
     def tile_terms(self, num_warps: int):
-        from csrc_triton import tile_terms
-        tile_terms.launch(*self.tokens, self.tables.chunk_start, self.tables.chunk_len,
-                          *self.terms, self.tile_flags, 0.125, self.C, True, num_warps=num_warps)
+        from csrc_triton import chunk_terms, tile_terms
+        if self.walk_rows == 16:
+            tile_terms.launch(*self.tokens, self.tables.chunk_start, self.tables.chunk_len,
+                              *self.terms, self.tile_flags, 0.125, self.C, True,
+                              num_warps=num_warps)
+        else:
+            chunk_terms.launch(*self.tokens, self.tables.chunk_start, self.tables.chunk_len,
+                               *self.terms, self.tile_flags, 0.125, True, num_warps=num_warps)
 
     def state_walk(self, store: bool, num_warps: int, block_v: int, num_stages: int,
                    state_split: bool):
@@ -113,7 +121,8 @@ class SweepCase:
         state_sweep.launch(q, k, v, b, gk, *self.terms, self.h0, self.tables.cu_seqlens,
                            self.tables.chunk_offsets, self.o, self.ht, self.states, self.flags,
                            0.125, self.C, True, store, num_warps=num_warps, block_v=block_v,
-                           num_stages=num_stages, state_split=state_split)
+                           num_stages=num_stages, state_split=state_split,
+                           block_flags=None if self.walk_rows == 16 else self.tile_flags)
 
     def split(self, store: bool, num_warps: int, block_v: int, num_stages: int,
               state_split: bool):
@@ -127,7 +136,8 @@ class SweepCase:
         chunk_grads.launch_walk(q, b, gk, w, A_qb, self.do, self.dht, self.tables.cu_seqlens,
                                 self.tables.chunk_offsets, self.dh_chunks, self.dh0, 0.125,
                                 self.C, True, True, num_warps=num_warps, block_v=block_v,
-                                num_stages=num_stages, state_split=state_split)
+                                num_stages=num_stages, state_split=state_split,
+                                walk_rows=self.walk_rows)
 
     def chunk_grads(self, num_warps: int, num_stages: int, state_split: bool):
         from csrc_triton import chunk_grads
@@ -154,15 +164,18 @@ def _record(rec: dict, name: str, ms: float, mb: float):
                 f"{name}_gbps": round(mb / ms, 1)})
 
 
-def run(shape_names, chunks, block_vs, warps, stages, splits, modes, out=None, reps=15):
+def run(shape_names, chunks, block_vs, warps, stages, splits, modes, out=None, reps=15,
+        walk_rows=(16,)):
     timer = Timer("cuda", reps=reps, warmup=2, cap_s=3.0)
     for name in shape_names:
         shape = SHAPES[name]
-        for C in chunks:
-            case = SweepCase(shape, C)
+        for C, rows in itertools.product(chunks, walk_rows):
+            if rows not in (16, C):  # 64-row steps: chunk 64 only
+                continue
+            case = SweepCase(shape, C, rows)
             for bv, nw, ns, ss in itertools.product(block_vs, warps, stages, splits):
                 rec = dict(shape=shape.label, chunk=C, block_v=bv, num_warps=nw, num_stages=ns,
-                           state_split=bool(ss))
+                           state_split=bool(ss), walk_rows=rows)
                 knobs = dict(num_warps=nw, block_v=bv, num_stages=ns, state_split=bool(ss))
                 # the backward has no value blocks and the tile terms only warps: timed for
                 # the first block_v (the tile terms: also the first stages and split)
@@ -226,6 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", default="1")
     parser.add_argument("--state-split", default="1",
                         help="1: state and v_new as hi/lo pairs in products, 0: rounded once")
+    parser.add_argument("--walk-rows", default="16",
+                        help="rows of a split walk step: 16, or 64 (chunk 64: chunk_terms)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {list(MODES)}")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
@@ -238,7 +253,7 @@ def main(argv=None) -> int:
     for bad in set(modes) - set(MODES):
         parser.error(f"--modes: unknown mode {bad!r}")
     run(shapes, _ints(args.chunks), _ints(args.block_v), _ints(args.warps), _ints(args.stages),
-        _ints(args.state_split), modes, args.out)
+        _ints(args.state_split), modes, args.out, walk_rows=_ints(args.walk_rows))
     return 0
 
 

@@ -37,10 +37,10 @@ clear) and ``EXACT_FLAGGED`` for the others, ``EXACT_ALL`` without a bound.
 import triton
 import triton.language as tl
 
-from . import tile_terms
-from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, LOG2E, chunk_tile_rows, gate_sums,
-                        gated_operands, load_rows, sequence_of, tile_forward_step, tile_rows,
-                        walk_start)
+from . import chunk_terms, tile_terms
+from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, LOG2E, chunk_tile_rows, first_column,
+                        gate_sums, gated_operands, load_rows, load_stored, sequence_of, tile_at,
+                        tile_forward_step, walk_start)
 from .dplr_tile_bwd import state_grad_step, tile_backward_stored
 
 BT = 16
@@ -55,7 +55,7 @@ def grad_walk_kernel(q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_c
     i_h = tl.program_id(1)
     i_n = tl.program_id(2)
     dtype: tl.constexpr = do.dtype.element_ty
-    v0 = i_v * BV
+    v0 = first_column(i_v, BV, V)
     bos, eos, slot0 = sequence_of(cu_seqlens, chunk_offsets, i_n)
     state_offsets, seq_state, dh = walk_start(dht, i_n, i_h, H, K, V, v0, BV, USE_DHT)
     n_tiles = tl.cdiv(eos - bos, BT)
@@ -65,14 +65,16 @@ def grad_walk_kernel(q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_c
         if (t % TILES_PER_CHUNK == TILES_PER_CHUNK - 1) | (tr == 0):
             slot = slot0 + t // TILES_PER_CHUNK
             tl.store(dh_chunks + (slot * H + i_h) * K * V + state_offsets, dh)
-        tok, valid = tile_rows(bos, eos, t, BT, False)
-        G, _Ge, Gl, _centre = gate_sums(load_rows(gk, tok, valid, i_h, H, K, 0, K) * LOG2E, BT)
-        b_t = load_rows(b, tok, valid, i_h, H, K, 0, K)
-        qg, _bg, bg = gated_operands(load_rows(q, tok, valid, i_h, H, K, 0, K), b_t, b_t, G,
-                                     Gl, scale, dtype)
-        w_t = load_rows(w, tok, valid, i_h, H, K, 0, K).to(dtype)
-        A_qb_t = load_rows(A_qb, tok, valid, i_h, H, BT, 0, BT).to(dtype)
-        do_t = load_rows(do, tok, valid, i_h, H, V, v0, BV).to(dtype)
+        first, rows, valid = tile_at(bos, eos, t, BT)
+        at = first * H  # the tile's first (token, head 0) row
+        G, _Ge, Gl, _centre = gate_sums(load_rows(gk + at * K, rows, valid, i_h, H, K, 0, K)
+                                        * LOG2E, BT)
+        b_t = load_rows(b + at * K, rows, valid, i_h, H, K, 0, K)
+        qg, _bg, bg = gated_operands(load_rows(q + at * K, rows, valid, i_h, H, K, 0, K), b_t,
+                                     b_t, G, Gl, scale, dtype)
+        w_t = load_stored(w + at * K, rows, valid, i_h, H, K, 0, K)
+        A_qb_t = load_stored(A_qb + at * BT, rows, valid, i_h, H, BT, 0, BT)
+        do_t = load_stored(do + at * V, rows, valid, i_h, H, V, v0, BV)
         _dv_new, dh = state_grad_step(dh, qg, bg, w_t, A_qb_t, do_t, Gl, valid, dtype,
                                       STATE_SPLIT)
     if WRITE_DH0:
@@ -120,9 +122,11 @@ def chunk_grads_kernel(q, k, v, a, b, gk, h_saved, dh_chunks, do, chunk_start, c
 def launch_walk(q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_chunks, dh0,
                 scale: float, chunk_size: int, use_dht: bool, write_dh0: bool,
                 num_warps: int = 4, block_v: int = 0, num_stages: int = 1,
-                state_split: bool = True):
+                state_split: bool = True, walk_rows: int = BT):
     """The state-gradient walk: ``dh_chunks`` (the kept states' layout) and ``dh0``;
-    ``block_v`` (0: all of V) splits the value columns over programs."""
+    ``block_v`` (0: all of V) splits the value columns over programs; ``walk_rows`` the rows
+    of a step, those of the terms ``w``, ``A_qb`` (16: :mod:`csrc_triton.tile_terms`, 64:
+    :mod:`csrc_triton.chunk_terms`)."""
     H, K, V = q.shape[2], q.shape[3], do.shape[3]
     N = cu_seqlens.shape[0] - 1
     BV = block_v or V
@@ -130,7 +134,7 @@ def launch_walk(q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_chunks
         raise ValueError(f"block_v={block_v} must divide the value head dim {V}")
     grad_walk_kernel[(V // BV, H, N)](
         q, b, gk, w, A_qb, do, dht, cu_seqlens, chunk_offsets, dh_chunks, dh0, scale, H=H, K=K,
-        V=V, BV=BV, BT=BT, TILES_PER_CHUNK=chunk_size // BT, USE_DHT=use_dht,
+        V=V, BV=BV, BT=walk_rows, TILES_PER_CHUNK=chunk_size // walk_rows, USE_DHT=use_dht,
         WRITE_DH0=write_dh0, STATE_SPLIT=state_split, num_warps=num_warps,
         num_stages=num_stages)
 
@@ -151,18 +155,30 @@ def launch_grads(q, k, v, a, b, gk, h, dh_chunks, do, chunk_start, chunk_len, ti
 def split_backward(q, k, v, a, b, gk, h, do, dht, tables, dq, dk, dv, da, db, dgk, dh0,
                    scale: float, chunk_size: int, use_dht: bool, write_dh0: bool,
                    bounded: bool, num_warps: int = 4, block_v: int = 0, num_stages: int = 1,
-                   state_split: bool = True, terms_warps: int = 0):
-    """Every gradient from the forward's kept states ``h`` (``chunk_fwd`` with ``STORE_H`` at
+                   state_split: bool = True, terms_warps: int = 0, walk_rows: int = BT):
+    """Every gradient from the forward's kept states ``h`` (the chunk-start states at
     ``chunk_size``, the same ``state_split``), as ``chunk_bwd.launch`` (forward walks);
     ``tables``: the call's ``KernelTables`` at ``chunk_size``; buffers allocated here, freed
-    when this returns; ``terms_warps`` (0: ``num_warps``) the tile terms' warps."""
-    w, _u, _A_qk, A_qb, tile_flags = tile_terms.compute(q, k, v, a, b, gk, tables, scale,
-                                                        chunk_size, bounded,
-                                                        num_warps=terms_warps or num_warps)
+    when this returns; ``terms_warps`` (0: ``num_warps``) the terms kernel's warps;
+    ``walk_rows`` 16 (every tile's terms, a walk step per tile) or 64 at chunk 64 (every
+    chunk's terms, :mod:`csrc_triton.chunk_terms`, a step per chunk): the chunk gradients take
+    16-row tiles either way."""
+    terms_warps = terms_warps or num_warps
+    if walk_rows == chunk_terms.CHUNK and chunk_size == chunk_terms.CHUNK:
+        w, _u, _A_qk, A_qb, tile_flags = chunk_terms.compute(q, k, v, a, b, gk, tables, scale,
+                                                             bounded, num_warps=terms_warps)
+    elif walk_rows == BT:
+        w, _u, _A_qk, A_qb, tile_flags = tile_terms.compute(q, k, v, a, b, gk, tables, scale,
+                                                            chunk_size, bounded,
+                                                            num_warps=terms_warps)
+    else:
+        raise ValueError(f"walk_rows={walk_rows} must be {BT}, or {chunk_terms.CHUNK} at chunk "
+                         f"{chunk_terms.CHUNK} (chunk_size={chunk_size})")
     dh_chunks = h.new_empty(h.shape)
     launch_walk(q, b, gk, w, A_qb, do, dht, tables.cu_seqlens, tables.chunk_offsets, dh_chunks,
                 dh0, scale, chunk_size, use_dht, write_dh0, num_warps=num_warps,
-                block_v=block_v, num_stages=num_stages, state_split=state_split)
+                block_v=block_v, num_stages=num_stages, state_split=state_split,
+                walk_rows=walk_rows)
     launch_grads(q, k, v, a, b, gk, h, dh_chunks, do, tables.chunk_start, tables.chunk_len,
                  tile_flags, dq, dk, dv, da, db, dgk, scale, chunk_size, bounded,
                  num_warps=num_warps, num_stages=num_stages, state_split=state_split)

@@ -53,6 +53,17 @@ def tile_rows(bos, eos, t, BT: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def tile_at(bos, eos, t, BT: tl.constexpr):
+    """Tile ``t`` of the sequence ``[bos, eos)`` walked forward: its first token (int64), its
+    rows relative to that token (int32) and which rows hold one.  Loads through pointers
+    advanced to the first token (``x + first · H · D``) keep every per-element offset in int32:
+    an int64 offset tile costs two registers an element."""
+    rows = tl.arange(0, BT)
+    first = bos + t * BT
+    return first, rows, rows < eos - first
+
+
+@triton.jit
 def chunk_tile_rows(start, length, t, BT: tl.constexpr):
     """Tokens of tile ``t`` of a chunk of ``length`` rows from token ``start``, and which rows
     hold one."""
@@ -65,6 +76,17 @@ def sequence_of(cu_seqlens, chunk_offsets, i_n):
     """(first token, end, first chunk slot) of sequence ``i_n``, as int64."""
     return (tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64),
             tl.load(chunk_offsets + i_n).to(tl.int64))
+
+
+@triton.jit
+def first_column(i_v, BV: tl.constexpr, V: tl.constexpr):
+    """The first value column of block ``i_v``: a literal 0 when one block holds all of V, so
+    that every column offset is static (a dynamic one costs the 64-row walk half its
+    registers in spills)."""
+    if BV == V:
+        return 0
+    else:
+        return i_v * BV
 
 
 @triton.jit
@@ -92,11 +114,18 @@ def keep_chunk_state(h_out, h, t, slot0, i_h, H, K: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
-def load_rows(x, tok, valid, i_h, H, D: tl.constexpr, d0, BD: tl.constexpr):
-    """Columns ``[d0, d0 + BD)`` of a ``[1, T, H, D]`` tensor at a tile's tokens, as fp32
-    ``[BT, BD]`` (rows past the end: 0)."""
+def load_stored(x, tok, valid, i_h, H, D: tl.constexpr, d0, BD: tl.constexpr):
+    """Columns ``[d0, d0 + BD)`` of a ``[1, T, H, D]`` tensor at a tile's tokens, ``[BT, BD]``
+    in the tensor's dtype (rows past the end: 0): a product's operand, loaded without a round
+    trip through fp32 registers."""
     offsets = (tok[:, None] * H + i_h) * D + d0 + tl.arange(0, BD)[None, :]
-    return tl.load(x + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+    return tl.load(x + offsets, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def load_rows(x, tok, valid, i_h, H, D: tl.constexpr, d0, BD: tl.constexpr):
+    """:func:`load_stored` as fp32."""
+    return load_stored(x, tok, valid, i_h, H, D, d0, BD).to(tl.float32)
 
 
 @triton.jit

@@ -120,11 +120,18 @@ def test_opcheck_recurrent_ops_on_kernel_shapes():
                           (*args, cu, do, dht, 0.5, True, True, True))
 
 
+# the split's bar against the one-sweep kernel: the same terms with 16-row walk steps; with
+# 64-row steps (csrc_triton.chunk_terms) the chunk-64 terms, rounded elsewhere (under the
+# interpreter both stand at the same distance from the fp64 recurrence)
+SPLIT_BAR = {16: 1e-5, 64: 4e-3}
+
+
+@pytest.mark.parametrize("walk_rows", [16, 64])
 @pytest.mark.parametrize("cu,gate_scale", [(None, 1.0), ([0, 5, 1500, 1501, 4096], 100.0)])
-def test_split_forward_matches_the_sweep(cu, gate_scale):
-    """The split forward (every tile's terms in parallel, then the state walk) against the
-    one-sweep forward on the GPU: the same o, final state, kept states and flags, a broken
-    bound included."""
+def test_split_forward_matches_the_sweep(cu, gate_scale, walk_rows):
+    """The split forward (every tile's or chunk's terms in parallel, then the state walk)
+    against the one-sweep forward on the GPU: o, final state and kept states, and the same
+    flags, a broken bound included."""
     from csrc_triton import chunk_fwd, state_sweep
     from torch_dplr.ops.varlen import as_one_sequence_list as flat
     from torch_dplr.ops.varlen import kernel_tables
@@ -147,15 +154,16 @@ def test_split_forward_matches_the_sweep(cu, gate_scale):
                              0.125, 64, True, True, True)
         else:
             state_sweep.split_forward(*tokens, *args, tb, o, ht, h, flags, 0.125, 64, True,
-                                      True, True)
+                                      True, True, walk_rows=walk_rows)
         results.append((o, ht, h, flags))
     (o, ht, h, flags), (o2, ht2, h2, flags2) = results
     assert torch.equal(flags, flags2) and (flags > 0).any()
     for name, got, want in (("o", o2, o), ("ht", ht2, ht), ("states", h2, h)):
-        assert torch.isfinite(got).all() and rms_ratio(got, want) < 1e-5, name
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < SPLIT_BAR[walk_rows], name
 
 
-def test_split_backward_matches_the_sweep():
+@pytest.mark.parametrize("walk_rows", [16, 64])
+def test_split_backward_matches_the_sweep(walk_rows):
     """The split backward (tile terms, the state-gradient walk, every chunk's gradients in
     parallel) against the one-sweep backward on the GPU, from the same kept states, a broken
     bound included."""
@@ -185,7 +193,7 @@ def test_split_backward_matches_the_sweep():
                              *grads, 0.125, 64, True, True, True)
         else:
             chunk_grads.split_backward(*tokens, h, do, dht, tb, *grads, 0.125, 64, True, True,
-                                       True)
+                                       True, walk_rows=walk_rows)
         results.append(grads)
     for name, got, want in zip("dq dk dv da db dgk dh0".split(), *reversed(results)):
-        assert torch.isfinite(got).all() and rms_ratio(got, want) < 1e-5, name
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < SPLIT_BAR[walk_rows], name

@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def variants():
     """(kernel, pointer dtypes, constexprs): the sweep's three schemes at chunks 16 and 64,
-    forward (also in value blocks) and backward, the split forward's two halves and the split
-    backward's walk and chunk kernel, and the per-token kernel (functional, pool-indexed, and
+    forward (also in value blocks) and backward, the split forward's terms (16-row tiles and
+    64-row chunks) and state walk (16- and 64-row steps) and the split backward's walk and chunk
+    kernel, and the per-token kernel (functional, pool-indexed, and
     flagged)."""
     p, f = "*bf16", "*fp32"
     fwd = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h0=f, cu_seqlens="*i32", chunk_offsets="*i32",
@@ -43,15 +44,22 @@ def variants():
                  u_out=p, A_qk_out=p, A_qb_out=p, tile_flags="*i32", scale="fp32", H="i32")
     for mode in (0, 1, 2):
         yield "tile_terms", terms, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=4, MODE=mode)
-    walk = dict(q=p, k=p, v=p, b=p, gk=f, w=p, u=p, A_qk=p, A_qb=p, h0=f, cu_seqlens="*i32",
-                chunk_offsets="*i32", o=p, ht=f, h_out=f, flags="*i32", scale="fp32", H="i32")
-    for bv in (64, 32):
-        yield "state_sweep", walk, dict(K=64, V=64, BV=bv, BT=16, TILES_PER_CHUNK=4,
+    chunk_terms = dict(terms, block_flags="*i32")
+    del chunk_terms["tile_flags"]
+    for mode in (0, 1, 2):
+        yield "chunk_terms", chunk_terms, dict(K=64, V=64, BT=16, BLOCKS=4, MODE=mode)
+    walk = dict(q=p, k=p, v=p, b=p, gk=f, w=p, u=p, A_qk=p, A_qb=p, block_flags="*i32", h0=f,
+                cu_seqlens="*i32", chunk_offsets="*i32", o=p, ht=f, h_out=f, flags="*i32",
+                scale="fp32", H="i32")
+    for bv, rows in ((64, 16), (32, 16), (64, 64)):
+        yield "state_sweep", walk, dict(K=64, V=64, BV=bv, BT=rows, TILES_PER_CHUNK=64 // rows,
                                         USE_H0=True, STORE_H=True, STATE_SPLIT=bv == 64)
     grad_walk = dict(q=p, b=p, gk=f, w=p, A_qb=p, do=p, dht=f, cu_seqlens="*i32",
                      chunk_offsets="*i32", dh_chunks=f, dh0=f, scale="fp32", H="i32")
-    yield "grad_walk", grad_walk, dict(K=64, V=64, BV=64, BT=16, TILES_PER_CHUNK=4,
-                                       USE_DHT=True, WRITE_DH0=True, STATE_SPLIT=True)
+    for rows in (16, 64):
+        yield "grad_walk", grad_walk, dict(K=64, V=64, BV=64, BT=rows,
+                                           TILES_PER_CHUNK=64 // rows, USE_DHT=True,
+                                           WRITE_DH0=True, STATE_SPLIT=True)
     grads = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h_saved=f, dh_chunks=f, do=p,
                  chunk_start="*i32", chunk_len="*i32", tile_flags="*i32", dq=p, dk=p, dv=p,
                  da=p, db=p, dgk=f, scale="fp32", H="i32")
@@ -74,6 +82,7 @@ def compile_all():
                "chunk_bwd": ("csrc_triton.chunk_bwd", "chunk_bwd_kernel", 4),
                "recurrent": ("csrc_triton.recurrent", "recurrent_fwd_kernel", 4),
                "tile_terms": ("csrc_triton.tile_terms", "tile_terms_kernel", 1),
+               "chunk_terms": ("csrc_triton.chunk_terms", "chunk_terms_kernel", 4),
                "state_sweep": ("csrc_triton.state_sweep", "state_sweep_kernel", 4),
                "grad_walk": ("csrc_triton.chunk_grads", "grad_walk_kernel", 4),
                "chunk_grads": ("csrc_triton.chunk_grads", "chunk_grads_kernel", 4)}

@@ -215,6 +215,71 @@ def test_split_backward_is_the_sweep(kernels, case):
         assert torch.equal(g, w), name
 
 
+@pytest.mark.parametrize("case", [
+    (1, 150, [0, 1, 40, 40, 150], {}, True),
+    (2, 128, None, dict(gate_scale=100.0), True),  # every block broken: redone exactly
+    (1, 130, [0, 3, 64, 130], dict(spikes=True), True),
+    (1, 100, None, dict(gates="unbounded"), False),
+])
+def test_chunk_terms_are_the_staged_terms(case):
+    """``csrc_triton.chunk_terms`` (four 16-row blocks, the blocks below the diagonal from
+    decays split at block ends) against the staged ops' chunk-64 terms (``chunk_intra_fwd``,
+    ``chunk_wy_fwd``, PyTorch kernels): w, u, A_qk, A_qb within a bf16 rounding; the flags
+    mark blocks exactly where a broken bound is."""
+    from csrc_triton import chunk_terms
+    from torch_dplr.ops.varlen import as_one_sequence_list as flat
+    from torch_dplr.ops.varlen import kernel_tables
+    B, T, cu, options, bounded = case
+    x = _inputs(B, T, 2, 32, cu, **options)
+    cu_t = torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu)
+    tb = kernel_tables(cu_t, B, T, 64, "cpu")
+    *terms, flags = chunk_terms.compute(*(flat(x[n]) for n in "q k v a b gk".split()), tb,
+                                        32 ** -0.5, bounded)
+    gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = torch.ops.dplr.chunk_intra_fwd(
+        x["q"], x["k"], x["a"], x["b"], x["gk"], cu_t, 32 ** -0.5, 64, float("-inf"))
+    _, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, x["v"], cu_t, 64)
+    for name, got, want in zip(("w", "u", "A_qk", "A_qb"), terms, (w, u, A_qk, A_qb)):
+        got = got.reshape(want.shape)
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < 2e-3, name
+    broken = bool(options.get("spikes") or options.get("gate_scale"))
+    assert bool((flags > 0).any()) == broken and (flags >= 0).all()
+
+
+@pytest.mark.parametrize("case", [
+    (1, 130, [0, 3, 64, 130], dict(spikes=True), True),  # a broken bound, varlen
+    (1, 100, None, dict(gates="unbounded"), False),
+])
+def test_64_row_walk_matches_oracle(kernels, case):
+    """The split forward and backward with a 64-row step per chunk (every chunk's terms in
+    parallel, ``csrc_triton.chunk_terms``) against the fp64 recurrence: o, final state and
+    every gradient within the suite's bars, and (with a bound) the one-sweep forward's flags,
+    so either backward can follow it."""
+    from csrc_triton import chunk_grads
+    from torch_dplr.ops.varlen import as_one_sequence_list as flat
+    from torch_dplr.ops.varlen import kernel_tables
+    B, T, cu, options, bounded = case
+    x = _inputs(B, T, 2, 32, cu, **options)
+    o, ht, h, flags = _forward(kernels[0], x, 64, cu, bounded, split=True, walk_rows=64)
+    if bounded:
+        assert torch.equal(flags, _forward(kernels[0], x, 64, cu, bounded)[3])
+        assert (flags > 0).any()
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, generator=gen)
+    tb = kernel_tables(torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu),
+                       B, T, 64, "cpu")
+    tokens = [flat(x[n]) for n in "q k v a b gk".split()]
+    grads = [torch.empty_like(t) for t in tokens]
+    dh0 = torch.empty_like(ht)
+    chunk_grads.split_backward(*tokens, h, flat(do), dht, tb, *grads, dh0, 32 ** -0.5, 64, True,
+                               True, bounded, walk_rows=64)
+    ref_outs, ref_grads = _oracle(x, cu, do, dht)
+    _assert_within([o, ht], [*(g.view_as(x[n]) for g, n in zip(grads, "q k v a b gk".split())),
+                             dh0], ref_outs, ref_grads, torch.bfloat16)
+    with pytest.raises(ValueError, match="walk_rows=64"):
+        _forward(kernels[0], x, 32, cu, bounded, split=True, walk_rows=64)
+
+
 def test_sweep_schemes_agree_where_both_apply(kernels):
     """With gates inside the bound the exact scheme finds nothing to redo and gives the
     centred scheme's result (the same products)."""
