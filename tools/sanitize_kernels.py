@@ -15,10 +15,16 @@ variant of the DSA sparse MLA kernels (``csrc_tl.dsa_sparse_mla_fwd`` / ``_bwd``
 (D_qk, d_v) x dtype x heads per CTA) once, through ``torch.ops.dsa.sparse_mla_fwd``'s autograd,
 with a padded head block, k not a multiple of the slot block, -1 and out-of-range slots, a row
 without a valid slot, kv rows shared by many tokens (the backward's atomics) and a kv longer
-than q; fails if any stage or DSA op fell back to its PyTorch kernel.
+than q; then every variant of the DSA indexer kernels (``csrc_tl.dsa_indexer_topk``,
+``dsa_indexer_fwd`` / ``_bwd``: each (H_idx, D_idx) x dtype) through ``dsa::indexer_topk`` and
+``dsa::indexer_fwd``'s autograd, packed sequences with an empty one, a short one and a padding
+tail, top-k rows with -1 tails and out-of-range slots; fails if any stage or DSA op fell back
+to its PyTorch kernel.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 import torch
@@ -89,6 +95,59 @@ def run_dsa(config):
     assert all(torch.isfinite(x).all() for x in (o, q.grad, kv.grad))
 
 
+#: (H_idx, D_idx, dtype) of each indexer variant, in ``csrc_tl.dsa_indexer_fwd.variants()``'s
+#: order (the top-k kernel has the same variants)
+INDEXER_CASES = ((64, 128, "bfloat16"), (64, 128, "float16"), (32, 64, "bfloat16"),
+                 (32, 64, "float16"))
+
+
+@contextlib.contextmanager
+def indexer_kernels_only():
+    """The indexer ops' TileLang kernels switched on, their PyTorch kernels failing if run."""
+    from torch_dplr.dsa.ops import indexer, topk
+
+    switches = (indexer.INDEXER_KERNEL_SWITCH, topk.TOPK_KERNEL_SWITCH)
+    patched = ((indexer, "indexer_fwd_reference"), (indexer, "indexer_bwd_reference"),
+               (topk, "indexer_topk_reference"))
+    saved_env = {name: os.environ.get(name) for name in switches}
+    saved = [getattr(module, name) for module, name in patched]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a DSA indexer op ran its PyTorch kernel")
+
+    try:
+        os.environ.update(dict.fromkeys(switches, "1"))
+        for module, name in patched:
+            setattr(module, name, fail)
+        yield
+    finally:
+        for (module, name), original in zip(patched, saved):
+            setattr(module, name, original)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_indexer(H, D, dtype_name):
+    """Top-k selection, then the index scores forward and backward, at T 300 in four packed
+    sequences (an empty one, one token, a padding tail of 20 rows), k 100."""
+    dtype = getattr(torch, dtype_name)
+    T, k = 300, 100
+    gen = torch.Generator().manual_seed(H + D)
+    q = torch.randn(T, H, D, generator=gen).to("cuda", dtype).requires_grad_()
+    key = torch.randn(T, D, generator=gen).to("cuda", dtype).requires_grad_()
+    w = torch.randn(T, H, generator=gen).to("cuda").requires_grad_()
+    cu = torch.tensor([0, 0, 1, 150, 280], dtype=torch.int32, device="cuda")
+    indices = torch.ops.dsa.indexer_topk(q.detach(), key.detach(), w.detach(), cu, k)
+    indices[::9, -3:] = T + 5  # out of range: an empty slot, never read
+    scores = torch.ops.dsa.indexer_fwd(q, key, w, indices)
+    scores.masked_fill(~scores.isfinite(), 0.0).sum().backward()  # empty slots: -inf
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(x).all() for x in (q.grad, key.grad, w.grad))
+
+
 def run_dplr():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with forbid_pytorch_stages():
@@ -117,6 +176,10 @@ def main(argv=None) -> int:
             for config in dsa_sparse_mla_fwd.variants():
                 run_dsa(config)
                 print(f"ran DSA sparse MLA fwd + bwd {config}", flush=True)
+        with indexer_kernels_only():
+            for case in INDEXER_CASES:
+                run_indexer(*case)
+                print(f"ran DSA indexer top-k + scores fwd + bwd {case}", flush=True)
     return 0
 
 

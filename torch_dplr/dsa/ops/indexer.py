@@ -11,14 +11,50 @@ Schemas:
 [T, H_idx]`` any float dtype, ``indices [T, k]`` int32 in any order.  ``scores [T, k]`` is fp32
 (fp64 for fp64 ``q_idx``); gradients come back in their inputs' dtypes, accumulated in fp32.
 No scaling is applied: DeepSeek-V3.2 folds ``H_idx ** -0.5 · D_idx ** -0.5`` into ``w``.
+
+On CUDA the forward and the backward run the TileLang kernels ``csrc_tl.dsa_indexer_fwd`` and
+``csrc_tl.dsa_indexer_bwd`` where one is built (:func:`_tilelang_kernel`: ``q_idx`` and
+``k_idx`` bf16 or fp16 of one dtype, int32 indices, ``(H_idx, D_idx)`` in their ``DIMS``, an
+sm_90 GPU); there an index outside ``[-1, T)`` is not rejected (that would read the indices on
+the host) but counts as an empty slot.  Their scores are the same sum in another order; the
+backward adds dk_idx with fp32 atomics, so its dk_idx may differ between runs by fp32
+reordering error (bound in the kernel's docstring).  Both are opt-in
+(:data:`INDEXER_KERNEL_SWITCH` set to 1) until their GPU tests (tests/test_tl_dsa_indexer.py
+-m cuda) pass on main.  Everything else runs the PyTorch kernel.
 """
+import os
+
 from torch import Tensor
 import torch
 
 from ...ops.chunked import without_autocast
+from ...ops.tilelang_path import KERNEL_DTYPES, tilelang_usable
 from ..reference import indexer as ref
 from ..reference.layout import check_index_range
+from .kernels import aligned as _aligned
+from .kernels import kernel_for
 from .shapes import acc_dtype, allocate, indexer_bwd_shapes, indexer_fwd_shapes
+
+#: Environment variable that lets ``indexer_fwd`` / ``indexer_bwd`` run their TileLang
+#: kernels ("1").
+INDEXER_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_INDEXER"
+
+
+def _tilelang_kernel(family: str, q_idx: Tensor, k_idx: Tensor, indices: Tensor):
+    """The TileLang kernel ``csrc_tl.<family>`` of this call, or None (the PyTorch kernel
+    runs): the opt-in switch set, q_idx and k_idx bf16 or fp16 of one dtype, int32 indices, at
+    least one token and slot, a variant built for ``(H_idx, D_idx)``
+    (``csrc_tl.dsa_indexer_fwd.config_for``, which the backward shares), an sm_90 GPU.  Shapes,
+    dtypes and the device only: no tensor value is read."""
+    if not (os.environ.get(INDEXER_KERNEL_SWITCH) == "1" and q_idx.dtype in KERNEL_DTYPES
+            and k_idx.dtype == q_idx.dtype and k_idx.shape[0] == q_idx.shape[0]
+            and indices.dtype == torch.int32
+            and q_idx.shape[0] and indices.shape[1] and tilelang_usable(q_idx.device)):
+        return None
+    from csrc_tl.dsa_indexer_fwd import config_for  # TileLang is importable (checked above)
+
+    config = config_for(q_idx.shape[1], q_idx.shape[2], q_idx.dtype)
+    return None if config is None else kernel_for(family, config)
 
 
 @without_autocast
@@ -36,6 +72,18 @@ indexer_fwd = torch.library.custom_op("dsa::indexer_fwd", mutates_args=())(index
 @indexer_fwd.register_fake
 def _(q_idx, k_idx, w, indices):
     return allocate(indexer_fwd_shapes(q_idx, indices), q_idx.device)[0]
+
+
+@indexer_fwd.register_kernel("cuda")
+@without_autocast
+def indexer_fwd_cuda(q_idx, k_idx, w, indices):
+    kernel = _tilelang_kernel("dsa_indexer_fwd", q_idx, k_idx, indices)
+    if kernel is None:
+        return indexer_fwd_reference(q_idx, k_idx, w, indices)
+    (scores,) = allocate(indexer_fwd_shapes(q_idx, indices), q_idx.device)
+    kernel(_aligned(q_idx), _aligned(k_idx), _aligned(w.to(torch.float32)), _aligned(indices),
+           scores)
+    return scores
 
 
 @without_autocast
@@ -59,6 +107,24 @@ indexer_bwd = torch.library.custom_op("dsa::indexer_bwd", mutates_args=())(index
 @indexer_bwd.register_fake
 def _(q_idx, k_idx, w, indices, dscores):
     return allocate(indexer_bwd_shapes(q_idx, k_idx, w), q_idx.device)
+
+
+@indexer_bwd.register_kernel("cuda")
+@without_autocast
+def indexer_bwd_cuda(q_idx, k_idx, w, indices, dscores):
+    kernel = _tilelang_kernel("dsa_indexer_bwd", q_idx, k_idx, indices)
+    if kernel is None:
+        return indexer_bwd_reference(q_idx, k_idx, w, indices, dscores)
+    dq_idx, dk_idx, dw = allocate(indexer_bwd_shapes(q_idx, k_idx, w), q_idx.device)
+    dk_acc = torch.zeros(k_idx.shape, dtype=torch.float32, device=k_idx.device)  # the atomics' sum
+    dw_acc = dw if dw.dtype == torch.float32 else torch.empty(w.shape, dtype=torch.float32,
+                                                              device=w.device)
+    kernel(_aligned(q_idx), _aligned(k_idx), _aligned(w.to(torch.float32)), _aligned(indices),
+           _aligned(dscores.to(torch.float32)), dq_idx, dk_acc, dw_acc)
+    dk_idx.copy_(dk_acc)
+    if dw_acc is not dw:
+        dw.copy_(dw_acc)
+    return dq_idx, dk_idx, dw
 
 
 def _setup_context(ctx, inputs, output):
