@@ -50,10 +50,13 @@ CHUNK_FWD = frozenset({dplr.chunk_intra_fwd.default, dplr.chunk_wy_fwd.default,
 CHUNK_BWD = frozenset({dplr.chunk_intra_bwd.default, dplr.chunk_wy_bwd.default,
                        dplr.chunk_state_bwd.default})
 CHUNK_NO_GRAD = frozenset({dplr.chunk_fwd_fused.default}) | CHUNK_TABLES  # no-grad: one op
+# the two-op training pass (TORCH_DPLR_TRAINING_PASS=split, torch_dplr.ops.dataflow)
+SPLIT_FWD = frozenset({dplr.chunk_fwd.default}) | CHUNK_TABLES
+SPLIT_BWD = frozenset({dplr.chunk_bwd.default})
 RECURRENT_FWD = frozenset({dplr.recurrent_fwd.default})
 RECURRENT_BWD = frozenset({dplr.recurrent_bwd.default})
 FORWARD_OPS = policies.FORWARD_OPS
-BACKWARD_OPS = CHUNK_BWD | RECURRENT_BWD
+BACKWARD_OPS = CHUNK_BWD | SPLIT_BWD | RECURRENT_BWD
 
 RWKV7_BOUND = -0.6065  # -exp(-0.5), rounded towards 0 (the gate never reaches it here)
 

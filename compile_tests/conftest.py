@@ -32,3 +32,13 @@ def recorder():
 def inductor_recorder():
     """The same recording, but the graphs are then compiled by Inductor."""
     return GraphRecorder(inductor=True)
+
+
+@pytest.fixture
+def split_pass(monkeypatch):
+    """The public chunked calls compose ``dplr::chunk_fwd`` / ``chunk_bwd`` (the two-op training
+    pass, ``TORCH_DPLR_TRAINING_PASS=split``) for the whole test: when traced, run and
+    recomputed."""
+    from torch_dplr.ops.dataflow import TRAINING_PASS_VAR
+
+    monkeypatch.setenv(TRAINING_PASS_VAR, "split")

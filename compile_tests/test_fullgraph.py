@@ -10,7 +10,8 @@ import torch
 import torch_dplr
 
 from ._support import (CHUNK_BWD, CHUNK_FWD, CHUNK_NO_GRAD, DEVICE, HEAD_DIM, INDUCTOR_DTYPES,
-                       INDUCTOR_TOL, N_HEADS, RECURRENT_BWD, RECURRENT_FWD, assert_all_close,
+                       INDUCTOR_TOL, N_HEADS, RECURRENT_BWD, RECURRENT_FWD, SPLIT_BWD, SPLIT_FWD,
+                       assert_all_close,
                        block_input, chunk_fn, differentiable, dtype_id, index_tensor, make_block,
                        make_inputs, on_device, recurrent_fn, run_and_grad)
 
@@ -50,6 +51,30 @@ def test_chunk_dplr_fullgraph(recorder, varlen, initial_state, output_final_stat
     assert len(out_c) == (2 if output_final_state else 1)
     assert_all_close(out_c, out_e)
     assert all(g is not None for g in grads_c)
+    assert_all_close(grads_c, grads_e)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["rect", "varlen"])
+@pytest.mark.parametrize("through", ["both", "final_state", "output"])
+def test_split_pass_fullgraph(recorder, split_pass, varlen, through):
+    """The two-op training pass: one graph of ``chunk_fwd`` (and the tables), a backward graph
+    of ``chunk_bwd`` alone, eager's outputs and gradients, also when only one output reaches
+    the loss."""
+    x = make_inputs(B=1 if varlen else 2, T=VARLEN[-1] if varlen else 45,
+                    cu_seqlens=VARLEN if varlen else None, initial_state=True)
+    args = [x[n] for n in ("q", "k", "v", "a", "b", "gk")]
+
+    def fn(*args):
+        o, ht = chunk_fn(*args, initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
+        return {"both": (o, ht), "final_state": ht, "output": o}[through]
+
+    tensors = differentiable(x)
+    out_c, grads_c = run_and_grad(torch.compile(fn, backend=recorder, fullgraph=True), tensors,
+                                  *args)
+    out_e, grads_e = run_and_grad(fn, tensors, *args)
+    assert_one_graph(recorder)
+    assert_training_graphs(recorder, SPLIT_FWD, SPLIT_BWD)
+    assert_all_close(out_c, out_e)
     assert_all_close(grads_c, grads_e)
 
 

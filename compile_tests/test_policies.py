@@ -13,12 +13,15 @@ import torch
 from torch_dplr import policies
 
 from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, FORWARD_OPS, INDUCTOR_DTYPES,
-                       INDUCTOR_TOL, DispatchCounter, assert_all_close, block_input,
+                       INDUCTOR_TOL, RECURRENT_FWD, SPLIT_FWD, DispatchCounter,
+                       assert_all_close, block_input,
                        checkpointed, differentiable, dplr, dtype_id, make_block, make_inputs,
                        recurrent_fn, run_and_grad, two_chunk_calls)
 
-# the chunked forward ops a policy saves or recomputes (not the chunk tables, always kept)
+# the chunked forward ops a policy saves or recomputes (not the chunk tables, always kept):
+# the stage ops, or chunk_fwd in the two-op training pass
 CHUNK_STAGES = CHUNK_FWD & FORWARD_OPS
+SPLIT_STAGES = SPLIT_FWD & FORWARD_OPS
 
 CUSTOM_POLICIES = {
     "custom_save_wy": frozenset({dplr.chunk_wy_fwd.default}),
@@ -59,7 +62,22 @@ def region_rwkv7_block(dtype=torch.float32):
 REGIONS = {"two_chunk_calls": region_two_chunk_calls,
            "two_chunk_calls_varlen": region_two_chunk_calls_varlen,
            "recurrent": region_recurrent,
-           "rwkv7_block": region_rwkv7_block}
+           "rwkv7_block": region_rwkv7_block,
+           # the same chunked regions in the two-op training pass
+           "two_chunk_calls_split": region_two_chunk_calls,
+           "two_chunk_calls_varlen_split": region_two_chunk_calls_varlen,
+           "rwkv7_block_split": region_rwkv7_block}
+
+
+def stage_ops(region, request):
+    """The forward ops a policy decides on in ``region`` (the recurrent op, the stage ops, or
+    ``chunk_fwd``); a ``_split`` region turns the two-op pass on for the test."""
+    if region == "recurrent":
+        return RECURRENT_FWD
+    if region.endswith("_split"):
+        request.getfixturevalue("split_pass")
+        return SPLIT_STAGES
+    return CHUNK_STAGES
 
 
 def only(counts, ops):
@@ -76,6 +94,7 @@ def test_shipped_policies_recompute_what_they_document():
     intra, wy = dplr.chunk_intra_fwd.default, dplr.chunk_wy_fwd.default
     assert policies.recomputed_ops("recompute_all") == FORWARD_OPS
     assert policies.recomputed_ops("save_state") & CHUNK_STAGES == {intra, wy}
+    assert not policies.recomputed_ops("save_state") & SPLIT_STAGES  # the states are kept
     assert policies.recomputed_ops("save_all") == frozenset()
     assert policies.recomputed_ops({wy}) == FORWARD_OPS - {wy}
 
@@ -97,7 +116,8 @@ def test_unknown_policy_name_raises():
 
 @pytest.mark.parametrize("region", REGIONS)
 @pytest.mark.parametrize("policy", POLICY_CASES)
-def test_policy_eager(policy, region):
+def test_policy_eager(policy, region, request):
+    stages = stage_ops(region, request)
     fn, tensors, args, kwargs = REGIONS[region]()
     out_ref, grads_ref = run_and_grad(fn, tensors, *args, **kwargs)
 
@@ -109,8 +129,7 @@ def test_policy_eager(policy, region):
 
     forward_calls = only(fwd.counts, FORWARD_OPS)
     calls = 2 if region.startswith("two_chunk") else 1
-    assert forward_calls == {op: calls for op in
-                             (FORWARD_OPS - CHUNK_STAGES if region == "recurrent" else CHUNK_STAGES)}
+    assert forward_calls == {op: calls for op in stages}
     assert only(bwd.counts, FORWARD_OPS) == expected_recompute(resolve(policy), forward_calls)
     assert dplr.chunk_tables.default not in bwd.counts  # kept, never rebuilt
     # The backward ops run once per call whatever the policy (recompute adds, never replaces).
@@ -118,14 +137,16 @@ def test_policy_eager(policy, region):
 
 
 COMPILED_CASES = [(policy, region) for policy in policies.POLICIES
-                  for region in ("two_chunk_calls", "two_chunk_calls_varlen", "rwkv7_block")]
+                  for region in ("two_chunk_calls", "two_chunk_calls_varlen", "rwkv7_block",
+                                 "two_chunk_calls_split", "rwkv7_block_split")]
 COMPILED_CASES += [(policy, "two_chunk_calls") for policy in CUSTOM_POLICIES]
 
 
 @pytest.mark.parametrize("policy,region", COMPILED_CASES)
-def test_policy_compiled(recorder, policy, region):
+def test_policy_compiled(recorder, policy, region, request):
     """``torch.compile(checkpoint(fn, context_fn=policy))``: one graph, same gradients, and
     the backward graph recomputes exactly the policy's ops."""
+    stages = stage_ops(region, request)
     fn, tensors, args, kwargs = REGIONS[region]()
     out_ref, grads_ref = run_and_grad(fn, tensors, *args, **kwargs)
 
@@ -138,7 +159,7 @@ def test_policy_compiled(recorder, policy, region):
     assert recorder.frames == 1
     calls = 2 if region.startswith("two_chunk") else 1
     forward_calls = only(recorder.counts("forward"), FORWARD_OPS)
-    assert forward_calls == {op: calls for op in CHUNK_STAGES}
+    assert forward_calls == {op: calls for op in stages}
     assert len(recorder.backward) == 1
     backward = recorder.counts("backward")
     assert only(backward, FORWARD_OPS) == expected_recompute(resolve(policy), forward_calls)

@@ -26,7 +26,7 @@ HBM traffic (bytes per token and head, bf16 data, fp32 gates, D = K = V)::
     read   q k a b v: 5 · 2D     gk: 4D
     write  w u: 2 · 2D           A_qk A_qb: 2 · 2 · 64
 
-At B8 T4096 H32 D64: 939 MB read, 805 MB written (w, u 268 MB; A_qk, A_qb 537 MB).
+At B8 T4096 H32 D64: 939 MB read, 537 MB written (w, u 268 MB; A_qk, A_qb 268 MB).
 
 Schemes (:mod:`csrc_triton.dplr_tile`): only the diagonal blocks have one.  With a declared
 bound ``FAST`` takes centred products there and sets ``block_flags`` for each block whose gates

@@ -43,6 +43,9 @@ def forward_samples(device="cpu"):
                                       g(gl), g(h0), cu_t, C, True, True, *t)
             yield "recurrent_fwd", (g(q), g(k), g(v), g(a), g(b), g(gk), g(h0), cu_t, 0.3,
                                     True, grad)
+            yield "chunk_fwd", (g(q), g(k), g(v), g(a), g(b), g(gk), g(h0), cu_t, 0.3, C,
+                                -0.6065, True, *t)
+        yield "chunk_fwd", (q, k, v, a, b, gk, h0.new_empty(0), cu_t, 0.3, C, NO_BOUND, False)
         # Absent initial state and no kept activations (the no-grad forward's call).
         yield "chunk_state_fwd", (qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0.new_empty(0), cu_t, C,
                                   False, False)
@@ -77,3 +80,6 @@ def backward_samples(device="cpu"):
             yield "recurrent_bwd", (q, k, v, a, b, gk, h0 if use_h0 else h0.new_empty(0), cu_t,
                                     rand_like(o), rand_like(ht) if use_dht else ht.new_empty(0),
                                     0.3, use_h0, use_dht, False)
+            yield "chunk_bwd", (q, k, v, a, b, gk, h0 if use_h0 else h0.new_empty(0), h, cu_t,
+                                rand_like(o), rand_like(ht) if use_dht else ht.new_empty(0),
+                                0.3, C, NO_BOUND, use_h0, use_dht)

@@ -6,7 +6,9 @@ Save-versus-recompute is not a flag here: without checkpointing, autograd keeps 
 outputs (FLA's ``disable_recompute=True``); wrap the model in ``torch.utils.checkpoint`` with
 a policy from :mod:`torch_dplr.policies` to recompute stages instead.  A chunked call that
 needs no gradient (grad disabled, or no input requiring grad) keeps nothing: it runs the one
-op ``dplr::chunk_fwd_fused`` instead of the stages.
+op ``dplr::chunk_fwd_fused`` instead of the stages.  A training call composes either the six
+stage ops or the two ops ``dplr::chunk_fwd`` / ``dplr::chunk_bwd``
+(``TORCH_DPLR_TRAINING_PASS``, :mod:`torch_dplr.ops.dataflow`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
 from . import time_parallel
+from .ops.dataflow import training_pass
 from .ops.direct_call import call_op
 from .validation import check_inputs
 
@@ -159,6 +162,11 @@ def _chunk_ops(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, C, bound,
         # this node, a training graph the staged ones.
         o, final_state = torch.ops.dplr.chunk_fwd_fused(q, k, v, a, b, gk, h0, cu, scale, C,
                                                         bound, use_h0, tables)
+        return o, (final_state if output_final_state else None)
+    if training_pass() == "split":
+        # the two-op pass (torch_dplr.ops.dataflow): chunk-local terms never leave a kernel
+        o, final_state, _ = torch.ops.dplr.chunk_fwd(q, k, v, a, b, gk, h0, cu, scale, C, bound,
+                                                     use_h0, tables)
         return o, (final_state if output_final_state else None)
     gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = torch.ops.dplr.chunk_intra_fwd(
         q, k, a, b, gk, cu, scale, C, bound, tables)

@@ -12,10 +12,13 @@ eagerly or inside ``torch.compile`` (compile the checkpointed function, not the 
 Shipped policies (``POLICIES``) name the ``dplr`` forward ops whose outputs are kept; every
 other ``dplr`` forward op in the checkpointed region is recomputed in the backward:
 
-- ``"recompute_all"``: keep nothing but the region's inputs; every stage runs again.
+- ``"recompute_all"``: keep nothing but the region's inputs; every stage (or ``chunk_fwd``)
+  runs again.
   (Every policy keeps the call's chunk tables, ``dplr::chunk_tables``: a few KB.)
 - ``"save_state"``: keep the state pass (o, per-chunk states, v_new), recompute the cheap
-  intra-chunk and WY stages (FLA's default recompute trade).
+  intra-chunk and WY stages (FLA's default recompute trade).  In the two-op training pass
+  (``TORCH_DPLR_TRAINING_PASS=split``) keep ``chunk_fwd``'s chunk-start states: its backward
+  recomputes the chunk-local terms from them either way.
 - ``"save_all"``: keep every stage; only the non-``dplr`` ops of the region are recomputed.
 
 Ops outside the ``dplr`` namespace are recomputed unless listed in ``extra_save_ops``
@@ -34,7 +37,8 @@ FORWARD_OPS = frozenset(getattr(torch.ops.dplr, name).default for name in ops.FO
 
 POLICIES: dict[str, frozenset] = {
     "recompute_all": frozenset(),
-    "save_state": frozenset({torch.ops.dplr.chunk_state_fwd.default}),
+    "save_state": frozenset({torch.ops.dplr.chunk_state_fwd.default,
+                             torch.ops.dplr.chunk_fwd.default}),
     "save_all": FORWARD_OPS,
 }
 

@@ -94,6 +94,19 @@ def recurrent_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state):
     return (*grads, dh0)
 
 
+def chunk_fwd_shapes(q, v, cu_seqlens, chunk_size):
+    """o, final_state, the state at every chunk start (``[B, slots, H, K, V]``, the stage
+    ops' per-chunk layout)."""
+    B, T, H, K = q.shape
+    acc = acc_dtype(q.dtype)
+    slots = chunk_slots_per_batch(T, chunk_size, varlen_sequences(cu_seqlens))
+    return (*_output_and_final_state(q, v, cu_seqlens, acc), ((B, slots, H, K, v.shape[-1]), acc))
+
+
+# dq, dk, dv, da, db, dgk, dh0 of the chunked backward: those of the per-token one
+chunk_bwd_shapes = recurrent_bwd_shapes
+
+
 def allocate(specs, device):
     """Contiguous empty tensors for a shape function's result (fakes and kernels alike)."""
     return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)

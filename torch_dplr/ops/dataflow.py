@@ -1,0 +1,256 @@
+"""``dplr::chunk_fwd`` / ``dplr::chunk_bwd``: the chunked training pass as two ops.
+
+The six stage ops (``chunk_intra_fwd``, ``chunk_wy_fwd``, ``chunk_state_fwd`` and their
+backward ops) hand every chunk-local term to the next stage through HBM and keep them for the
+backward: 12.5 GB per forward+backward at B8 T4096 H32 D64 (docs/training_dataflow.md).  These
+two ops keep the chunk-local terms inside their kernels instead:
+
+- ``chunk_fwd`` writes ``o``, the final state and the state at every chunk start (fp32
+  ``[B, slots, H, K, V]``, the layout of ``chunk_state_fwd``'s ``h``): nothing else of the
+  forward survives it;
+- ``chunk_bwd`` takes the inputs, the kept states, ``do`` and ``dht`` and recomputes every
+  chunk-local term from them.
+
+Save-versus-recompute stays a checkpoint policy: ``save_state`` keeps ``chunk_fwd``'s outputs
+(the states), ``recompute_all`` runs the forward again inside the backward.
+
+Kernels.  On CUDA (bf16 data, fp32 or bf16 gates, K = V in
+:data:`~torch_dplr.ops.triton_path.SWEEP_HEAD_DIMS`) the Triton split kernels run: every chunk's
+terms in parallel, then one walk of the state per (sequence, head) (forward,
+:func:`csrc_triton.state_sweep.split_forward`), and in the backward the terms again, a walk of
+the state gradient alone, then every chunk's gradients in parallel
+(:func:`csrc_triton.chunk_grads.split_backward`).  At chunk 64 a walk step covers a whole chunk
+(:mod:`csrc_triton.chunk_terms`); at chunks 16 and 32 a 16-row tile.  Both give the results of
+the staged ops within bf16 rounding, in every gate regime (a declared bound only lets them try
+centred products first, per tile, with exact recompute where a tile breaks it; no host sync).
+Elsewhere (other dtypes or head dims, the CPU) the op runs the stage ops in sequence, the
+backward recomputing the forward stages first: the same results, never a wrong one.
+
+Which pass a public call composes (:func:`training_pass`) is decided when the call is made (when
+a compiled graph is traced) from ``TORCH_DPLR_TRAINING_PASS``: ``stages`` (the default) or
+``split`` (these two ops).
+"""
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .chunked import without_autocast
+from .intra import chunk_intra_bwd_reference, chunk_intra_fwd_reference
+from .shapes import (allocate, chunk_bwd_shapes, chunk_fwd_shapes, num_sequences,
+                     zeros_for_missing)
+from .state import chunk_state_bwd_reference, chunk_state_fwd_reference
+from .triton_path import sweep_kernels_apply
+from .varlen import as_one_sequence_list as flat
+from .varlen import tables_for
+from .wy import chunk_wy_bwd_reference, chunk_wy_fwd_reference
+
+#: Environment variable choosing the training pass of the public chunked calls.
+TRAINING_PASS_VAR = "TORCH_DPLR_TRAINING_PASS"
+TRAINING_PASSES = ("stages", "split")
+
+
+def training_pass() -> str:
+    """``"stages"`` (six stage ops) or ``"split"`` (``chunk_fwd`` / ``chunk_bwd``), from
+    :data:`TRAINING_PASS_VAR` (unset: ``"stages"``)."""
+    chosen = os.environ.get(TRAINING_PASS_VAR, "stages")
+    if chosen not in TRAINING_PASSES:
+        raise ValueError(f"{TRAINING_PASS_VAR} must be one of {TRAINING_PASSES}, got {chosen!r}")
+    return chosen
+
+
+# --------------------------------------------------------------------------- the stage path
+
+
+class _Stages:
+    """The stage ops' kernels in sequence: the PyTorch kernels (``reference=True``) or the
+    ops as dispatched (their CUDA kernels on CUDA tensors)."""
+
+    def __init__(self, reference: bool):
+        ops = torch.ops.dplr
+        self.intra_fwd = chunk_intra_fwd_reference if reference else ops.chunk_intra_fwd
+        self.wy_fwd = chunk_wy_fwd_reference if reference else ops.chunk_wy_fwd
+        self.state_fwd = chunk_state_fwd_reference if reference else ops.chunk_state_fwd
+        self.intra_bwd = chunk_intra_bwd_reference if reference else ops.chunk_intra_bwd
+        self.wy_bwd = chunk_wy_bwd_reference if reference else ops.chunk_wy_bwd
+        self.state_bwd = chunk_state_bwd_reference if reference else ops.chunk_state_bwd
+
+    def forward(self, q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size,
+                lower_bound, use_initial_state, tables):
+        """Every stage's outputs: (intra outputs, wy outputs, state outputs)."""
+        intra = self.intra_fwd(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound,
+                               tables)
+        gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = intra
+        wy = self.wy_fwd(A_ab, A_ak, ag, v, cu_seqlens, chunk_size, tables)
+        state = self.state_fwd(qg, kg, bg, wy[1], wy[2], v, A_qk, A_qb, gl, initial_state,
+                               cu_seqlens, chunk_size, use_initial_state, True, tables)
+        return intra, wy, state
+
+    def backward(self, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
+                 chunk_size, lower_bound, use_initial_state, use_dht, tables):
+        """dq, dk, dv, da, db, dgk, dh0 by the chain rule through the recomputed stages."""
+        intra, wy, state = self.forward(q, k, v, a, b, gk, initial_state, cu_seqlens, scale,
+                                        chunk_size, lower_bound, use_initial_state, tables)
+        gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = intra
+        A_ab_inv, w, _u = wy
+        _o, _ht, h, v_new = state
+        dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 = self.state_bwd(
+            qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens,
+            chunk_size, use_initial_state, use_dht, tables)
+        dA_ab, dA_ak, dag, dv_wy = self.wy_bwd(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens,
+                                               chunk_size, tables)
+        dq, dk, da, db, dgk = self.intra_bwd(q, k, a, b, gk, cu_seqlens, gl, dgl, dA_qk, dA_qb,
+                                             dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
+                                             chunk_size, lower_bound, tables)
+        return dq, dk, dv + dv_wy, da, db, dgk, dh0
+
+
+# --------------------------------------------------------------------------- the ops
+
+
+@without_autocast
+def chunk_fwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
+                        initial_state: Tensor, cu_seqlens: Tensor, scale: float,
+                        chunk_size: int, lower_bound: float, use_initial_state: bool,
+                        tables: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    _intra, _wy, (o, ht, h, _v_new) = _Stages(reference=True).forward(
+        q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
+        use_initial_state, tables)
+    return o, ht, h
+
+
+chunk_fwd = torch.library.custom_op("dplr::chunk_fwd", mutates_args=())(chunk_fwd_reference)
+
+
+@chunk_fwd.register_fake
+def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
+      use_initial_state, tables=None):
+    return allocate(chunk_fwd_shapes(q, v, cu_seqlens, chunk_size), q.device)
+
+
+def split_kernels_apply(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor,
+                        initial_state: Tensor, use_initial_state: bool) -> bool:
+    """The Triton split kernels run the call (:func:`sweep_kernels_apply`; an initial state in
+    any float dtype is read as fp32).  Shapes, dtypes and the device only."""
+    return (sweep_kernels_apply(q, v, gk, num_sequences(q, cu_seqlens))
+            and (not use_initial_state or initial_state.is_floating_point()))
+
+
+def _walk_rows(chunk_size: int) -> int:
+    # a walk step per chunk of 64 (csrc_triton.chunk_terms), else per 16-row tile
+    return 64 if chunk_size == 64 else 16
+
+
+@chunk_fwd.register_kernel("cuda")
+@without_autocast
+def chunk_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size,
+                   lower_bound, use_initial_state, tables=None):
+    if not split_kernels_apply(q, v, gk, cu_seqlens, initial_state, use_initial_state):
+        _intra, _wy, (o, ht, h, _v_new) = _Stages(reference=False).forward(
+            q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
+            use_initial_state, tables)
+        return o, ht, h
+    from csrc_triton import state_sweep
+    B, T, H, _ = q.shape
+    o, ht, h = allocate(chunk_fwd_shapes(q, v, cu_seqlens, chunk_size), q.device)
+    tb = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
+    h0 = initial_state.float().contiguous() if use_initial_state else ht
+    flags = torch.empty(tb.cu_seqlens.shape[0] - 1, H, dtype=torch.int32, device=q.device)
+    state_sweep.split_forward(*map(flat, (q, k, v, a, b, gk)), h0, tb, flat(o), ht, flat(h),
+                              flags, float(scale), chunk_size, use_initial_state, True,
+                              lower_bound > float("-inf"), walk_rows=_walk_rows(chunk_size))
+    return o, ht, h
+
+
+@without_autocast
+def chunk_bwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
+                        initial_state: Tensor, states: Tensor, cu_seqlens: Tensor, do: Tensor,
+                        dht: Tensor, scale: float, chunk_size: int, lower_bound: float,
+                        use_initial_state: bool, use_dht: bool, tables: Optional[Tensor] = None
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # the PyTorch kernel recomputes the states with the rest of the forward (``states`` is the
+    # kernels' shortcut to the same values)
+    return _stage_gradients(True, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
+                            chunk_size, lower_bound, use_initial_state, use_dht, tables)
+
+
+def _stage_gradients(reference, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
+                     chunk_size, lower_bound, use_initial_state, use_dht, tables):
+    """The gradients through the stage ops, in the output dtypes of ``chunk_bwd_shapes``."""
+    grads = _Stages(reference).backward(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
+                                        scale, chunk_size, lower_bound, use_initial_state,
+                                        use_dht, tables)
+    outs = allocate(chunk_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state),
+                    q.device)
+    for out, g in zip(outs, grads):
+        if out.numel():
+            out.copy_(g)
+    return outs
+
+
+chunk_bwd = torch.library.custom_op("dplr::chunk_bwd", mutates_args=())(chunk_bwd_reference)
+
+
+@chunk_bwd.register_fake
+def _(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale, chunk_size,
+      lower_bound, use_initial_state, use_dht, tables=None):
+    return allocate(chunk_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state),
+                    q.device)
+
+
+@chunk_bwd.register_kernel("cuda")
+@without_autocast
+def chunk_bwd_cuda(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale,
+                   chunk_size, lower_bound, use_initial_state, use_dht, tables=None):
+    if not split_kernels_apply(q, v, gk, cu_seqlens, initial_state, use_initial_state):
+        return _stage_gradients(False, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
+                                scale, chunk_size, lower_bound, use_initial_state, use_dht,
+                                tables)
+    from csrc_triton import chunk_grads
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    outs = allocate(chunk_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state),
+                    q.device)
+    tb = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
+    N = tb.cu_seqlens.shape[0] - 1
+    spare = states.new_empty(N, H, K, V)  # stands for dht / dh0 where the call has none
+    dht4 = dht.float().reshape(N, H, K, V).contiguous() if use_dht else spare
+    dh0 = torch.empty(N, H, K, V, device=q.device) if use_initial_state else spare
+    chunk_grads.split_backward(*map(flat, (q, k, v, a, b, gk)), flat(states),
+                               flat(do.contiguous()), dht4, tb, *map(flat, outs[:6]), dh0,
+                               float(scale), chunk_size, use_dht, use_initial_state,
+                               lower_bound > float("-inf"), walk_rows=_walk_rows(chunk_size))
+    if use_initial_state:
+        outs[6].copy_(dh0.view(outs[6].shape))
+    return outs
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
+     use_initial_state, tables) = inputs
+    _o, _ht, states = output
+    ctx.mark_non_differentiable(states)
+    ctx.save_for_backward(q, k, v, a, b, gk, initial_state, states, cu_seqlens, tables)
+    ctx.config = (scale, chunk_size, lower_bound, use_initial_state)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, do, dht, dstates_unused):
+    q, k, v, a, b, gk, initial_state, states, cu_seqlens, tables = ctx.saved_tensors
+    scale, chunk_size, lower_bound, use_initial_state = ctx.config
+    (do,) = zeros_for_missing((do,), [(v.shape, v.dtype)], v.device)
+    use_dht = dht is not None
+    if dht is None:
+        dht = q.new_zeros(0, dtype=states.dtype)
+    *grads, dh0 = torch.ops.dplr.chunk_bwd(q, k, v, a, b, gk, initial_state, states,
+                                           cu_seqlens, do, dht, scale, chunk_size,
+                                           lower_bound, use_initial_state, use_dht, tables)
+    return (*grads, dh0 if use_initial_state else None, None, None, None, None, None, None)
+
+
+chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
+
