@@ -37,7 +37,7 @@ clear) and ``EXACT_FLAGGED`` for the others, ``EXACT_ALL`` without a bound.
 import triton
 import triton.language as tl
 
-from . import chunk_terms, tile_terms
+from . import chunk_terms
 from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, LOG2E, chunk_tile_rows, first_column,
                         gate_sums, gated_operands, load_rows, load_stored, sequence_of, tile_at,
                         tile_forward_step, walk_start)
@@ -163,17 +163,9 @@ def split_backward(q, k, v, a, b, gk, h, do, dht, tables, dq, dk, dv, da, db, dg
     ``walk_rows`` 16 (every tile's terms, a walk step per tile) or 64 at chunk 64 (every
     chunk's terms, :mod:`csrc_triton.chunk_terms`, a step per chunk): the chunk gradients take
     16-row tiles either way."""
-    terms_warps = terms_warps or num_warps
-    if walk_rows == chunk_terms.CHUNK and chunk_size == chunk_terms.CHUNK:
-        w, _u, _A_qk, A_qb, tile_flags = chunk_terms.compute(q, k, v, a, b, gk, tables, scale,
-                                                             bounded, num_warps=terms_warps)
-    elif walk_rows == BT:
-        w, _u, _A_qk, A_qb, tile_flags = tile_terms.compute(q, k, v, a, b, gk, tables, scale,
-                                                            chunk_size, bounded,
-                                                            num_warps=terms_warps)
-    else:
-        raise ValueError(f"walk_rows={walk_rows} must be {BT}, or {chunk_terms.CHUNK} at chunk "
-                         f"{chunk_terms.CHUNK} (chunk_size={chunk_size})")
+    w, _u, _A_qk, A_qb, tile_flags = chunk_terms.compute_for_walk(
+        q, k, v, a, b, gk, tables, scale, chunk_size, bounded, walk_rows,
+        num_warps=terms_warps or num_warps)
     dh_chunks = h.new_empty(h.shape)
     launch_walk(q, b, gk, w, A_qb, do, dht, tables.cu_seqlens, tables.chunk_offsets, dh_chunks,
                 dh0, scale, chunk_size, use_dht, write_dh0, num_warps=num_warps,

@@ -48,6 +48,7 @@ zero above the diagonal); chunk_start, chunk_len int32 [slots]; block_flags int3
 import triton
 import triton.language as tl
 
+from . import tile_terms
 from ._common import dot, dot_fp32, round_to
 from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, centred_fits, chunk_tile_rows,
                         gate_sums, intra, load_tile, unit_lower_inverse)
@@ -190,6 +191,20 @@ def compute(q, k, v, a, b, gk, tables, scale: float, bounded: bool, num_warps: i
     launch(q, k, v, a, b, gk, tables.chunk_start, tables.chunk_len, *terms, scale, bounded,
            num_warps=num_warps)
     return terms
+
+
+def compute_for_walk(q, k, v, a, b, gk, tables, scale: float, chunk_size: int, bounded: bool,
+                     walk_rows: int, num_warps: int = 4):
+    """The terms a walk of ``walk_rows``-row steps reads, into buffers allocated here:
+    ``(w, u, A_qk, A_qb, flags)``, every 16-row tile's (:mod:`csrc_triton.tile_terms`, 16) or
+    every chunk's (this module, 64 at chunk 64); ``flags`` per 16 rows either way."""
+    if walk_rows == CHUNK and chunk_size == CHUNK:
+        return compute(q, k, v, a, b, gk, tables, scale, bounded, num_warps=num_warps)
+    if walk_rows == BT:
+        return tile_terms.compute(q, k, v, a, b, gk, tables, scale, chunk_size, bounded,
+                                  num_warps=num_warps)
+    raise ValueError(f"walk_rows={walk_rows} must be {BT}, or {CHUNK} at chunk {CHUNK} "
+                     f"(chunk_size={chunk_size})")
 
 
 def launch(q, k, v, a, b, gk, chunk_start, chunk_len, w, u, A_qk, A_qb, block_flags,

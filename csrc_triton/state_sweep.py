@@ -36,7 +36,7 @@ Shapes as in ``chunk_fwd`` and ``tile_terms``.
 import triton
 import triton.language as tl
 
-from . import chunk_terms, tile_terms
+from . import chunk_terms
 from ._common import round_to
 from .dplr_tile import (LOG2E, centred_fits, first_column, gate_sums, gated_operands,
                         keep_chunk_state, load_rows, load_stored, sequence_of, tile_at,
@@ -126,18 +126,11 @@ def split_forward(q, k, v, a, b, gk, h0, tables, o, ht, h, flags, scale: float, 
     tile; 64 (chunk 64 only): every chunk's terms (:mod:`csrc_triton.chunk_terms`) and a step
     per chunk.  ``tables``: the call's ``KernelTables`` at ``chunk_size``; ``terms_warps``
     (0: ``num_warps``) the terms kernel's warps."""
-    terms_warps = terms_warps or num_warps
-    if walk_rows == chunk_terms.CHUNK and chunk_size == chunk_terms.CHUNK:
-        w, u, A_qk, A_qb, block_flags = chunk_terms.compute(q, k, v, a, b, gk, tables, scale,
-                                                            bounded, num_warps=terms_warps)
-    elif walk_rows == BT:
-        w, u, A_qk, A_qb, _tile_flags = tile_terms.compute(q, k, v, a, b, gk, tables, scale,
-                                                           chunk_size, bounded,
-                                                           num_warps=terms_warps)
+    w, u, A_qk, A_qb, block_flags = chunk_terms.compute_for_walk(
+        q, k, v, a, b, gk, tables, scale, chunk_size, bounded, walk_rows,
+        num_warps=terms_warps or num_warps)
+    if walk_rows == BT:  # a 16-row walk checks its tiles itself
         block_flags = None
-    else:
-        raise ValueError(f"walk_rows={walk_rows} must be {BT}, or {chunk_terms.CHUNK} at chunk "
-                         f"{chunk_terms.CHUNK} (chunk_size={chunk_size})")
     launch(q, k, v, b, gk, w, u, A_qk, A_qb, h0, tables.cu_seqlens, tables.chunk_offsets, o, ht,
            h, flags, scale, chunk_size, use_h0, store_h, num_warps=num_warps, block_v=block_v,
            num_stages=num_stages, state_split=state_split, block_flags=block_flags)
