@@ -2,7 +2,8 @@
 
 RWKV-7 gates ``-0.6065 sigmoid(5x)`` scaled by 1, 2, 10 and 100 (and a few spikes at -1e4):
 every kernel configuration of the chunked call (chunk 16/32/64, K 64/128, rect with a state
-and varlen without, training and no-grad) with ``lower_bound=-0.6065`` must equal the same
+and varlen without, training and no-grad, the stage pass and the two-op pass) with
+``lower_bound=-0.6065`` must equal the same
 call with no bound (which takes the exact schemes) within the suite's bars, with finite
 outputs, final state and gradients; the per-token path must match the fp64 recurrence.
 Skipped without a GPU.
@@ -94,6 +95,23 @@ def test_broken_bound_gives_the_unbounded_result(grad, chunk_size, K, layout, fa
     with forbid_pytorch_stages():
         bounded = call(inp, cu, chunk_size, RWKV7_BOUND, grad)
         unbounded = call(inp, cu, chunk_size, None, grad)
+    assert_same_as_unbounded(bounded, unbounded, torch.bfloat16)
+
+
+@pytest.mark.parametrize("factor", FACTORS)
+@pytest.mark.parametrize("layout", ["rect", "varlen"])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_broken_bound_in_the_two_op_pass(chunk_size, layout, factor, monkeypatch):
+    """The two-op training pass (``TORCH_DPLR_TRAINING_PASS=split``: the Triton split kernels
+    at K = 64) with the bound declared against the stage pass without one."""
+    from torch_dplr.ops import dataflow
+
+    inp, cu = inputs(layout, 64, factor)
+    assert dataflow.split_kernels_apply(inp["q"], inp["v"], inp["gk"], _offsets(cu),
+                                        inp["initial_state"], inp["initial_state"] is not None)
+    unbounded = call(inp, cu, chunk_size, None, True)
+    monkeypatch.setenv(dataflow.TRAINING_PASS_VAR, "split")
+    bounded = call(inp, cu, chunk_size, RWKV7_BOUND, True)
     assert_same_as_unbounded(bounded, unbounded, torch.bfloat16)
 
 
