@@ -109,9 +109,8 @@ def _cuda_bodies(x, cu, C, bound, do, dht):
     (2, 70, None, 16, dict(gates="unbounded"), float("-inf")),
 ])
 def test_cuda_bodies_meet_the_bars(case):
-    """The Triton split kernels behind the ops (64-row walk steps at chunk 64, 16-row ones
-    otherwise) against the fp64 recurrence: o, final state and every gradient within the
-    suite's bf16 bars."""
+    """The Triton split kernels behind the ops against the fp64 recurrence: o, final state
+    and every gradient within the suite's bf16 bars."""
     B, T, cu, C, options, bound = case
     x = make_inputs(B, T, 2, 32, dtype=torch.bfloat16, seed=4,
                     gates=options.get("gates", "rwkv7"),

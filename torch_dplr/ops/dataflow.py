@@ -19,8 +19,8 @@ Kernels.  On CUDA (bf16 data, fp32 or bf16 gates, K = V in
 terms in parallel, then one walk of the state per (sequence, head) (forward,
 :func:`csrc_triton.state_sweep.split_forward`), and in the backward the terms again, a walk of
 the state gradient alone, then every chunk's gradients in parallel
-(:func:`csrc_triton.chunk_grads.split_backward`).  At chunk 64 a walk step covers a whole chunk
-(:mod:`csrc_triton.chunk_terms`); at chunks 16 and 32 a 16-row tile.  Both give the results of
+(:func:`csrc_triton.chunk_grads.split_backward`), with a walk step per 16-row tile
+(:data:`WALK_ROWS`).  Both give the results of
 the staged ops within bf16 rounding, in every gate regime (a declared bound only lets them try
 centred products first, per tile, with exact recompute where a tile breaks it; no host sync).
 Elsewhere (other dtypes or head dims, the CPU) the op runs the stage ops in sequence, the
@@ -137,9 +137,14 @@ def split_kernels_apply(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor,
             and (not use_initial_state or initial_state.is_floating_point()))
 
 
-def _walk_rows(chunk_size: int) -> int:
-    # a walk step per chunk of 64 (csrc_triton.chunk_terms), else per 16-row tile
-    return 64 if chunk_size == 64 else 16
+# The split kernels' knobs.  A walk step per 16-row tile at every chunk size: at B8 T4096 H32
+# D64, chunk 64 (H100, benchmarks/results/h100-sweep.jsonl) the 16-row tile terms take 1.22 ms
+# against 5.13 ms for the chunk-64 terms (csrc_triton.chunk_terms), and the 16-row split
+# forward 2.26 ms at num_stages 3 (2.60 at 1) against 6.28 ms; the backward 11.85 ms at
+# num_stages 1 (12.48 at 3) against 15.39 ms.
+WALK_ROWS = 16
+FORWARD_STAGES = 3
+BACKWARD_STAGES = 1
 
 
 @chunk_fwd.register_kernel("cuda")
@@ -159,7 +164,8 @@ def chunk_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_si
     flags = torch.empty(tb.cu_seqlens.shape[0] - 1, H, dtype=torch.int32, device=q.device)
     state_sweep.split_forward(*map(flat, (q, k, v, a, b, gk)), h0, tb, flat(o), ht, flat(h),
                               flags, float(scale), chunk_size, use_initial_state, True,
-                              lower_bound > float("-inf"), walk_rows=_walk_rows(chunk_size))
+                              lower_bound > float("-inf"), num_stages=FORWARD_STAGES,
+                              walk_rows=WALK_ROWS)
     return o, ht, h
 
 
@@ -220,7 +226,8 @@ def chunk_bwd_cuda(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht
     chunk_grads.split_backward(*map(flat, (q, k, v, a, b, gk)), flat(states),
                                flat(do.contiguous()), dht4, tb, *map(flat, outs[:6]), dh0,
                                float(scale), chunk_size, use_dht, use_initial_state,
-                               lower_bound > float("-inf"), walk_rows=_walk_rows(chunk_size))
+                               lower_bound > float("-inf"), num_stages=BACKWARD_STAGES,
+                               walk_rows=WALK_ROWS)
     if use_initial_state:
         outs[6].copy_(dh0.view(outs[6].shape))
     return outs
