@@ -15,14 +15,13 @@ Save-versus-recompute stays a checkpoint policy: ``save_state`` keeps ``chunk_fw
 (the states), ``recompute_all`` runs the forward again inside the backward.
 
 Kernels.  On CUDA (bf16 data, fp32 or bf16 gates, K = V in
-:data:`~torch_dplr.ops.triton_path.SWEEP_HEAD_DIMS`) the Triton split kernels run: every chunk's
-terms in parallel, then one walk of the state per (sequence, head) (forward,
+:data:`~torch_dplr.ops.triton_path.SWEEP_HEAD_DIMS`) the Triton split kernels run: every
+16-row tile's terms in parallel, then one walk of the state per (sequence, head) (forward,
 :func:`csrc_triton.state_sweep.split_forward`), and in the backward the terms again, a walk of
 the state gradient alone, then every chunk's gradients in parallel
-(:func:`csrc_triton.chunk_grads.split_backward`), with a walk step per 16-row tile
-(:data:`WALK_ROWS`).  Both give the results of
-the staged ops within bf16 rounding, in every gate regime (a declared bound only lets them try
-centred products first, per tile, with exact recompute where a tile breaks it; no host sync).
+(:func:`csrc_triton.chunk_grads.split_backward`).  Both give the results of the staged ops
+within bf16 rounding, in every gate regime (a declared bound only lets them try centred
+products first, per tile, with exact recompute where a tile breaks it; no host sync).
 Elsewhere (other dtypes or head dims, the CPU) the op runs the stage ops in sequence, the
 backward recomputing the forward stages first: the same results, never a wrong one.
 
