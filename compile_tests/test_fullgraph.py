@@ -11,9 +11,9 @@ import torch_dplr
 
 from ._support import (CHUNK_BWD, CHUNK_FWD, CHUNK_NO_GRAD, DEVICE, HEAD_DIM, INDUCTOR_DTYPES,
                        INDUCTOR_TOL, N_HEADS, RECURRENT_BWD, RECURRENT_FWD, SPLIT_BWD, SPLIT_FWD,
-                       assert_all_close,
-                       block_input, chunk_fn, differentiable, dtype_id, index_tensor, make_block,
-                       make_inputs, on_device, recurrent_fn, run_and_grad)
+                       assert_all_close, block_input, chunk_fn, differentiable, dtype_id,
+                       index_tensor, make_block, make_inputs, on_device, recurrent_fn,
+                       run_and_grad)
 
 VARLEN = [0, 13, 20, 51]  # 3 sequences: one within a chunk, one crossing two chunk boundaries
 

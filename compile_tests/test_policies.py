@@ -14,9 +14,9 @@ from torch_dplr import policies
 
 from ._support import (ARG_NAMES, BACKWARD_OPS, CHUNK_FWD, FORWARD_OPS, INDUCTOR_DTYPES,
                        INDUCTOR_TOL, RECURRENT_FWD, SPLIT_FWD, DispatchCounter,
-                       assert_all_close, block_input,
-                       checkpointed, differentiable, dplr, dtype_id, make_block, make_inputs,
-                       recurrent_fn, run_and_grad, two_chunk_calls)
+                       assert_all_close, block_input, checkpointed, differentiable, dplr,
+                       dtype_id, make_block, make_inputs, recurrent_fn, run_and_grad,
+                       two_chunk_calls)
 
 # the chunked forward ops a policy saves or recomputes (not the chunk tables, always kept):
 # the stage ops, or chunk_fwd in the two-op training pass

@@ -107,8 +107,7 @@ def test_broken_bound_in_the_two_op_pass(chunk_size, layout, factor, monkeypatch
     from torch_dplr.ops import dataflow
 
     inp, cu = inputs(layout, 64, factor)
-    assert dataflow.split_kernels_apply(inp["q"], inp["v"], inp["gk"], _offsets(cu),
-                                        inp["initial_state"], inp["initial_state"] is not None)
+    assert dataflow.split_kernels_apply(inp["q"], inp["v"], inp["gk"], _offsets(cu))
     unbounded = call(inp, cu, chunk_size, None, True)
     monkeypatch.setenv(dataflow.TRAINING_PASS_VAR, "split")
     bounded = call(inp, cu, chunk_size, RWKV7_BOUND, True)

@@ -118,7 +118,7 @@ def test_cuda_bodies_meet_the_bars(case):
     if options.get("spikes"):
         x["gk"][0, 5::29, 0, ::7] = -1e4
     cu_t = torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu)
-    assert dataflow.split_kernels_apply(x["q"], x["v"], x["gk"], cu_t, x["initial_state"], True)
+    assert dataflow.split_kernels_apply(x["q"], x["v"], x["gk"], cu_t)
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(x["v"].shape, generator=gen).to(x["v"].dtype)
     dht = torch.randn(x["initial_state"].shape, generator=gen)
@@ -139,8 +139,7 @@ def test_cuda_bodies_fall_back_to_the_stages():
     in sequence: the PyTorch kernels' results exactly."""
     x = make_inputs(1, 50, 2, 8, dtype=torch.float32, num_states=3)
     cu = [0, 20, 21, 50]
-    assert not dataflow.split_kernels_apply(x["q"], x["v"], x["gk"], torch.tensor(cu),
-                                            x["initial_state"], True)
+    assert not dataflow.split_kernels_apply(x["q"], x["v"], x["gk"], torch.tensor(cu))
     do, dht = torch.randn_like(x["v"]), torch.randn_like(x["initial_state"])
     outs, grads = _cuda_bodies(x, cu, 32, -0.6065, do, dht)
     cu_t = torch.tensor(cu)

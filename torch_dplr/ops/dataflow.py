@@ -128,12 +128,10 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bou
     return allocate(chunk_fwd_shapes(q, v, cu_seqlens, chunk_size), q.device)
 
 
-def split_kernels_apply(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor,
-                        initial_state: Tensor, use_initial_state: bool) -> bool:
-    """The Triton split kernels run the call (:func:`sweep_kernels_apply`; an initial state in
-    any float dtype is read as fp32).  Shapes, dtypes and the device only."""
-    return (sweep_kernels_apply(q, v, gk, num_sequences(q, cu_seqlens))
-            and (not use_initial_state or initial_state.is_floating_point()))
+def split_kernels_apply(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor) -> bool:
+    """The Triton split kernels run the call (:func:`sweep_kernels_apply`; the initial state,
+    of any float dtype, is read as fp32).  Shapes, dtypes and the device only."""
+    return sweep_kernels_apply(q, v, gk, num_sequences(q, cu_seqlens))
 
 
 # The split kernels' knobs.  A walk step per 16-row tile at every chunk size: at B8 T4096 H32
@@ -150,7 +148,7 @@ BACKWARD_STAGES = 1
 @without_autocast
 def chunk_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size,
                    lower_bound, use_initial_state, tables=None):
-    if not split_kernels_apply(q, v, gk, cu_seqlens, initial_state, use_initial_state):
+    if not split_kernels_apply(q, v, gk, cu_seqlens):
         _intra, _wy, (o, ht, h, _v_new) = _Stages(reference=False).forward(
             q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
             use_initial_state, tables)
@@ -182,16 +180,11 @@ def chunk_bwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g
 
 def _stage_gradients(reference, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
                      chunk_size, lower_bound, use_initial_state, use_dht, tables):
-    """The gradients through the stage ops, in the output dtypes of ``chunk_bwd_shapes``."""
-    grads = _Stages(reference).backward(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
-                                        scale, chunk_size, lower_bound, use_initial_state,
-                                        use_dht, tables)
-    outs = allocate(chunk_bwd_shapes(q, k, v, a, b, gk, initial_state, use_initial_state),
-                    q.device)
-    for out, g in zip(outs, grads):
-        if out.numel():
-            out.copy_(g)
-    return outs
+    """The gradients through the stage ops: the stage backward ops allocate them in
+    ``chunk_bwd_shapes``' shapes and dtypes already (dh0: ``initial_state``'s, or size 0)."""
+    return _Stages(reference).backward(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
+                                       scale, chunk_size, lower_bound, use_initial_state,
+                                       use_dht, tables)
 
 
 chunk_bwd = torch.library.custom_op("dplr::chunk_bwd", mutates_args=())(chunk_bwd_reference)
@@ -208,7 +201,7 @@ def _(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale, chun
 @without_autocast
 def chunk_bwd_cuda(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale,
                    chunk_size, lower_bound, use_initial_state, use_dht, tables=None):
-    if not split_kernels_apply(q, v, gk, cu_seqlens, initial_state, use_initial_state):
+    if not split_kernels_apply(q, v, gk, cu_seqlens):
         return _stage_gradients(False, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
                                 scale, chunk_size, lower_bound, use_initial_state, use_dht,
                                 tables)
