@@ -24,7 +24,6 @@ to its PyTorch kernel.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -104,30 +103,21 @@ INDEXER_CASES = ((64, 128, "bfloat16"), (64, 128, "float16"), (32, 64, "bfloat16
 @contextlib.contextmanager
 def indexer_kernels_only():
     """The indexer ops' TileLang kernels switched on, their PyTorch kernels failing if run."""
-    from torch_dplr.dsa.ops import indexer, topk
+    from unittest import mock
 
-    switches = (indexer.INDEXER_KERNEL_SWITCH, topk.TOPK_KERNEL_SWITCH)
-    patched = ((indexer, "indexer_fwd_reference"), (indexer, "indexer_bwd_reference"),
-               (topk, "indexer_topk_reference"))
-    saved_env = {name: os.environ.get(name) for name in switches}
-    saved = [getattr(module, name) for module, name in patched]
+    from benchmarks.envvars import scoped_env
+    from torch_dplr.dsa.ops import indexer, topk
 
     def fail(*args, **kwargs):
         raise AssertionError("a DSA indexer op ran its PyTorch kernel")
 
-    try:
-        os.environ.update(dict.fromkeys(switches, "1"))
-        for module, name in patched:
-            setattr(module, name, fail)
+    with contextlib.ExitStack() as stack:
+        for switch in (indexer.INDEXER_KERNEL_SWITCH, topk.TOPK_KERNEL_SWITCH):
+            stack.enter_context(scoped_env(switch, "1"))
+        for module, name in ((indexer, "indexer_fwd_reference"),
+                             (indexer, "indexer_bwd_reference"), (topk, "indexer_topk_reference")):
+            stack.enter_context(mock.patch.object(module, name, fail))
         yield
-    finally:
-        for (module, name), original in zip(patched, saved):
-            setattr(module, name, original)
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def run_indexer(H, D, dtype_name):
