@@ -24,8 +24,9 @@ One CTA per query token (a 1-D grid of T CTAs: no 65535 limit).  The CTA keeps i
              zero-filled), and the block's keys (-1: invalid) next to them
     S        K_blk [block_I, D] · Q [H, D]ᵀ on the tensor cores (fp32 accumulator; wgmma, one
              warpgroup's M = 64 slots, N = the H heads)
-    scores   ReLU(S) · w, summed over each slot's H heads (within a warp: a row of S lives in
-             one warp), written for the slots below ``k`` (-inf for the invalid ones)
+    scores   ReLU(S) · w, summed over each slot's H heads (``T.reduce_sum`` over the row:
+             across warps through shared memory where the heads are split over warps), written
+             for the slots below ``k`` (-inf for the invalid ones)
 
 The slots are the GEMM's M so that the head sum is a row reduction, and every block of a
 token reuses one q tile.  Different tokens select different keys, so a CTA shares no gathered
@@ -51,8 +52,8 @@ tensor-core peak) and 4 GiB of L2 gathers: the kernel is bound by the products a
 gathers, not HBM.  Shared memory (:func:`smem_bytes`): q 16 KiB plus 16 KiB per stage: about
 49 KiB at two stages, four CTAs per SM.
 
-Accumulation and determinism: fp32 throughout, no atomics, every output written by one
-thread: the result is deterministic.
+Accumulation and determinism: fp32 throughout, no atomics, every sum in a fixed order: the
+result is deterministic.
 
 Signature (caller-allocated output; T and K = k symbolic)::
 
