@@ -20,8 +20,8 @@ the composed cells select their own.
 
 Implementations per cell (columns ``<impl>_ms``, ``_tflops``, ``_peak_mb``, ...):
 
-- ``torch_dplr``: the ops as dispatched, with the opt-in CUDA kernels switched on in this
-  process (:data:`KERNEL_SWITCHES`, unless set otherwise); ``torch_dplr_kernels`` says per op
+- ``torch_dplr``: the ops as dispatched (a kernel's opt-out in :data:`KERNEL_SWITCHES`, when
+  set, is recorded with the run); ``torch_dplr_kernels`` says per op
   whether its TileLang kernel or its PyTorch kernel ran (:class:`KernelProbe`).
 - ``pytorch``: the same calls under ``TORCH_DPLR_DISABLE_TILELANG=1``, i.e. every op's
   plain-PyTorch kernel (the reference).  A call slower than ``--ref-cap-s`` is timed once on
@@ -59,7 +59,6 @@ it is appended).  Without a GPU every shape is shrunk (a smoke test: the times m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -83,7 +82,7 @@ MLA_HEADS = (128, 64, 16)
 INDEXER_TOKENS = 8192
 LOSS_COEFF = 0.01
 MODES = ("fwd", "bwd", "fwd_bwd")
-#: The opt-in CUDA kernels of the dsa ops, switched on in the benchmark process.
+#: The dsa kernels' opt-outs ("0": that op runs its PyTorch kernel), recorded with a run.
 KERNEL_SWITCHES = ("TORCH_DPLR_DSA_TILELANG_BWD", "TORCH_DPLR_DSA_TILELANG_TOPK",
                    "TORCH_DPLR_DSA_TILELANG_INDEXER")
 PYTORCH_ONLY = "TORCH_DPLR_DISABLE_TILELANG"
@@ -618,11 +617,7 @@ def main(argv=None) -> int:
     if device.type != "cuda":
         print("no GPU: every shape is shrunk to a tiny size (a smoke test; the times mean nothing)",
               file=sys.stderr)
-    with contextlib.ExitStack() as switches:  # on while the cells run, as before after
-        for name in KERNEL_SWITCHES:
-            if name not in os.environ:
-                switches.enter_context(scoped_env(name, "1"))
-        return _run(args, device, selected, path)
+    return _run(args, device, selected, path)
 
 
 def _run(args, device, selected, path) -> int:

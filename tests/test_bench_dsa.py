@@ -142,7 +142,8 @@ def test_smoke_run_on_cpu_and_resume(tmp_path, capsys):
         assert set(r["torch_dplr_kernels"].values()) == {"pytorch"}  # no GPU
         assert r["tilelang_example_ms"] is None and r["ratio_tilelang_example"] is None
         assert r["tilelang_example_skipped"] == "TileLang's example kernels need CUDA"
-        assert r["device"] == "cpu" and r["switches"]["TORCH_DPLR_DSA_TILELANG_BWD"] == "1"
+        assert r["device"] == "cpu" and set(r["switches"]) == {*dsa.KERNEL_SWITCHES,
+                                                               dsa.PYTORCH_ONLY}
         assert r["dtype"] == "bf16"
     assert records[0]["valid_fraction"] == round(dsa.valid_slots(128, 64) / (128 * 64), 4)
     assert records[2]["valid_fraction"] is None

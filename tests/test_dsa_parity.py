@@ -82,11 +82,11 @@ def test_parity_on_cuda(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_parity_on_cuda_with_the_tilelang_kernels(dtype, monkeypatch):
-    """At D_qk = d_v = 64 the sparse MLA forward and backward (opted in) run their TileLang
-    kernels on an sm_90 GPU (tests/test_tl_dsa_sparse_mla*.py check that they do); the layer's
-    o, lse, loss and every gradient keep the same bars."""
+    """At D_qk = d_v = 64 the sparse MLA forward and backward run their TileLang kernels on an
+    sm_90 GPU (tests/test_tl_dsa_sparse_mla*.py check that they do); the layer's o, lse, loss
+    and every gradient keep the same bars."""
     from torch_dplr.dsa.ops import sparse_mla
-    monkeypatch.setenv(sparse_mla.BWD_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(sparse_mla.BWD_KERNEL_SWITCH, raising=False)  # on by default
     errors = parity_errors(288, H=6, D_qk=64, d_v=64, H_idx=4, D_idx=16, topk=160,
                            cu_seqlens=[0, 200, 201, 288], dtype=dtype, seed=3, device="cuda")
     assert_within(errors, dtype)

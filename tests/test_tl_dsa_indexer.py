@@ -11,7 +11,7 @@ against the ops' PyTorch kernels.
   training-sized (tiny) dscores, where unnormalized fp16 operands fail the bar.  The ops' CUDA
   functions run on meta / CPU tensors with the kernel replaced by a check of its arguments
   against the traced kernel (``csrc_tl.launch_check``): which calls take the kernel, that the
-  decision and the launch read no tensor value, the fallbacks, the opt-in and disable
+  decision and the launch read no tensor value, the fallbacks, the opt-out and disable
   switches; on CPU tensors the stand-in runs the kernel model, so the op's own steps (dk_idx's
   fp32 accumulator and cast, dw in w's dtype) are checked end to end.
 * nvcc, no GPU: every variant of both families compiled for sm_90a into an empty TileLang
@@ -43,7 +43,7 @@ from csrc_tl.launch_check import launch_checker  # noqa: E402
 from test_tl_dsa_sparse_mla import causal_indices  # noqa: E402
 from torch_dplr.dsa.ops import indexer as op  # noqa: E402
 from torch_dplr.dsa.reference import indexer as ref  # noqa: E402
-from torch_dplr.dsa.testing import TOLERANCES  # noqa: E402
+from torch_dplr.dsa.testing import TOLERANCES, deterministic_algorithms  # noqa: E402
 from torch_dplr.testing import rms_ratio  # noqa: E402
 
 try:  # the compile test's empty-cache fixture; importing it skips without nvcc
@@ -397,8 +397,8 @@ def meta(*shape, dtype=BF16):
 
 @pytest.fixture
 def cuda_body(monkeypatch):
-    """The ops' CUDA functions made runnable on any tensors, as on an sm_90 GPU with the
-    opt-in set: each kernel is a stand-in that checks the launch's arguments against the traced
+    """The ops' CUDA functions made runnable on any tensors, as on an sm_90 GPU (the kernels
+    are on by default): each kernel is a stand-in that checks the launch's arguments against the traced
     kernel, that q_idx and k_idx are 16-byte aligned and that dk_idx's accumulator starts at
     zero; on CPU tensors it then runs the kernel's CPU model into the outputs.  Yields the
     (family, config) pairs asked for."""
@@ -426,7 +426,7 @@ def cuda_body(monkeypatch):
 
     monkeypatch.setattr(op, "tilelang_usable", lambda device: True)
     monkeypatch.setattr(op, "kernel_for", checking_kernel_for)
-    monkeypatch.setenv(op.INDEXER_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.INDEXER_KERNEL_SWITCH, raising=False)  # on by default
     return asked
 
 
@@ -492,8 +492,8 @@ def test_cuda_bodies_fall_back_to_the_pytorch_kernels(cuda_body, case):
     assert cuda_body == []
 
 
-def test_cuda_bodies_keep_the_pytorch_kernels_without_the_opt_in(cuda_body, monkeypatch):
-    monkeypatch.delenv(op.INDEXER_KERNEL_SWITCH)
+def test_cuda_bodies_keep_the_pytorch_kernels_when_switched_off(cuda_body, monkeypatch):
+    monkeypatch.setenv(op.INDEXER_KERNEL_SWITCH, "0")
     q, kk, w = random_inputs(30, 64, 128, BF16)
     idx = causal_indices(30, 12, None)
     assert torch.equal(op.indexer_fwd_cuda(q, kk, w, idx), op.indexer_fwd_reference(q, kk, w, idx))
@@ -502,12 +502,12 @@ def test_cuda_bodies_keep_the_pytorch_kernels_without_the_opt_in(cuda_body, monk
 
 
 def test_cuda_bodies_obey_the_disable_switch(monkeypatch):
-    """``TORCH_DPLR_DISABLE_TILELANG=1`` keeps the PyTorch kernels, opt-in or not."""
+    """``TORCH_DPLR_DISABLE_TILELANG=1`` keeps the PyTorch kernels."""
     def no_kernel(*args):
         raise AssertionError("a kernel was asked for")
 
     monkeypatch.setenv("TORCH_DPLR_DISABLE_TILELANG", "1")
-    monkeypatch.setenv(op.INDEXER_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.INDEXER_KERNEL_SWITCH, raising=False)  # on by default
     monkeypatch.setattr(op, "kernel_for", no_kernel)
     q, kk, w = random_inputs(30, 64, 128, BF16)
     idx = causal_indices(30, 12, None)
@@ -587,7 +587,7 @@ def tilelang_only(monkeypatch):
         raise AssertionError("a dsa indexer op fell back to its PyTorch kernel")
 
     monkeypatch.delenv("TORCH_DPLR_DISABLE_TILELANG", raising=False)
-    monkeypatch.setenv(op.INDEXER_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.INDEXER_KERNEL_SWITCH, raising=False)  # on by default
     monkeypatch.setattr(op, "indexer_fwd_reference", forbidden)
     monkeypatch.setattr(op, "indexer_bwd_reference", forbidden)
 
@@ -807,13 +807,14 @@ def test_ops_replay_in_a_cuda_graph(tilelang_only):
 @pytest.mark.cuda
 def test_ops_keep_the_pytorch_kernels_elsewhere(monkeypatch):
     """fp32 inputs and dims without a variant run the PyTorch kernels on the GPU too."""
-    monkeypatch.setenv(op.INDEXER_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.INDEXER_KERNEL_SWITCH, raising=False)  # on by default
     for H, D, dtype in [(64, 128, torch.float32), (8, 16, BF16)]:
         q, kk, w = random_inputs(50, H, D, dtype, device="cuda")
         idx = causal_indices(50, 9, [0, 20, 50], device="cuda")
         ds = random_dscores(50, 9, device="cuda")
         assert torch.equal(torch.ops.dsa.indexer_fwd(q, kk, w, idx),
                            op.indexer_fwd_reference(q, kk, w, idx))
-        got = torch.ops.dsa.indexer_bwd(q, kk, w, idx, ds)
-        want = op.indexer_bwd_reference(q, kk, w, idx, ds)
+        with deterministic_algorithms():
+            got = torch.ops.dsa.indexer_bwd(q, kk, w, idx, ds)
+            want = op.indexer_bwd_reference(q, kk, w, idx, ds)
         assert all(torch.equal(g, r) for g, r in zip(got, want))

@@ -353,7 +353,7 @@ def cuda_body(monkeypatch):
 
     monkeypatch.setattr(op, "tilelang_usable", lambda device: True)
     monkeypatch.setattr(op, "kernel_for", checking_kernel_for)
-    monkeypatch.setenv(op.TOPK_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.TOPK_KERNEL_SWITCH, raising=False)  # on by default
     return asked
 
 
@@ -467,7 +467,7 @@ def tilelang_only(monkeypatch):
         raise AssertionError("dsa::indexer_topk fell back to its PyTorch kernel")
 
     monkeypatch.delenv("TORCH_DPLR_DISABLE_TILELANG", raising=False)
-    monkeypatch.setenv(op.TOPK_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.TOPK_KERNEL_SWITCH, raising=False)  # on by default
     monkeypatch.setattr(op, "indexer_topk_reference", forbidden)
     return reference
 
@@ -659,8 +659,8 @@ def test_op_replays_in_a_cuda_graph(tilelang_only):
     assert torch.equal(got, tilelang_only(q, k, w, cu, topk))
 
 
-def test_cuda_body_keeps_the_pytorch_kernel_without_the_opt_in(cuda_body, monkeypatch):
-    monkeypatch.delenv(op.TOPK_KERNEL_SWITCH)
+def test_cuda_body_keeps_the_pytorch_kernel_when_switched_off(cuda_body, monkeypatch):
+    monkeypatch.setenv(op.TOPK_KERNEL_SWITCH, "0")
     q, k, w = random_inputs(50, 64, 128, BF16)
     cu = cu_tensor([0, 20, 50], "cpu")
     assert torch.equal(op.indexer_topk_cuda(q, k, w, cu, 9),

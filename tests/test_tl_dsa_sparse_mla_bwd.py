@@ -39,7 +39,8 @@ from test_tl_dsa_sparse_mla import (BF16, DEEPSEEK, FP16, VARIANT_HEADS,  # noqa
                                     time_ms, variant_id)
 from torch_dplr.dsa.ops import sparse_mla as op  # noqa: E402
 from torch_dplr.dsa.reference import sparse_mla as ref  # noqa: E402
-from torch_dplr.dsa.testing import TOLERANCES, forbid_pytorch_kernels  # noqa: E402
+from torch_dplr.dsa.testing import (TOLERANCES, deterministic_algorithms,  # noqa: E402
+                                    forbid_pytorch_kernels)
 from torch_dplr.testing import rms_ratio  # noqa: E402
 
 FACTORY = bwd.dsa_sparse_mla_bwd_kernel
@@ -152,7 +153,7 @@ def cuda_body(monkeypatch):
 
     monkeypatch.setattr(op, "tilelang_usable", lambda device: True)
     monkeypatch.setattr(op, "kernel_for", checking_kernel_for)
-    monkeypatch.setenv(op.BWD_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.BWD_KERNEL_SWITCH, raising=False)  # on by default
     return asked
 
 
@@ -226,8 +227,8 @@ def test_cuda_body_falls_back_to_the_pytorch_kernel(cuda_body, case):
     assert torch.equal(dq, want[0]) and torch.equal(dkv, want[1])
 
 
-def test_cuda_body_keeps_the_pytorch_kernel_without_the_opt_in(cuda_body, monkeypatch):
-    monkeypatch.delenv(op.BWD_KERNEL_SWITCH)
+def test_cuda_body_keeps_the_pytorch_kernel_when_switched_off(cuda_body, monkeypatch):
+    monkeypatch.setenv(op.BWD_KERNEL_SWITCH, "0")
     args = cpu_args(5, 3, 64, 64, 4, BF16)
     dq, dkv = op.sparse_mla_bwd_cuda(*args, 0.1, 64)
     assert cuda_body == []
@@ -341,7 +342,7 @@ gpu = pytest.mark.usefixtures("ieee_fp32_matmul", "gpu_kernels")
 def tilelang_only(monkeypatch):
     """Through the op, a fall back to the PyTorch kernel fails the test."""
     monkeypatch.delenv("TORCH_DPLR_DISABLE_TILELANG", raising=False)
-    monkeypatch.setenv(op.BWD_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.BWD_KERNEL_SWITCH, raising=False)  # on by default
     with forbid_pytorch_kernels():
         yield
 
@@ -522,6 +523,7 @@ def test_op_keeps_the_pytorch_kernel_elsewhere():
         q, kv = random_inputs(50, 3, D_qk, dtype, device="cuda")
         idx = causal_indices(50, 9, None, device="cuda")
         args = (q, kv, idx, *backward_inputs(q, kv, idx, 0.2, d_v), 0.2, d_v)
-        got = torch.ops.dsa.sparse_mla_bwd(*args)
-        want = op.sparse_mla_bwd_reference(*args)
+        with deterministic_algorithms():
+            got = torch.ops.dsa.sparse_mla_bwd(*args)
+            want = op.sparse_mla_bwd_reference(*args)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

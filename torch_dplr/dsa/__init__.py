@@ -31,11 +31,12 @@ coeff, reduction)``                                                       indice
                                                                           reduction)`` -> dscores
 ============================  ==========================================  ====================
 
-GPU kernels: ``sparse_mla_fwd`` runs the TileLang kernel ``csrc_tl.dsa_sparse_mla_fwd`` on
-sm_90 for bf16 / fp16 data at (D_qk, d_v) = (576, 512), (192, 128) or (64, 64)
-(``torch_dplr/dsa/ops/sparse_mla.py`` decides, from shapes and dtypes only); ``sparse_mla_bwd``
-and ``indexer_topk`` have TileLang kernels too, opt-in (``TORCH_DPLR_DSA_TILELANG_BWD=1``,
-``TORCH_DPLR_DSA_TILELANG_TOPK=1``); docs/dsa.md lists which calls take them.
+GPU kernels: on sm_90, ``sparse_mla_fwd`` / ``_bwd`` run the TileLang kernels
+``csrc_tl.dsa_sparse_mla_fwd`` / ``_bwd`` for bf16 / fp16 data at (D_qk, d_v) = (576, 512),
+(192, 128) or (64, 64), and ``indexer_topk``, ``indexer_fwd`` / ``_bwd`` theirs at
+(H_idx, D_idx) = (64, 128) or (32, 64) (each op decides from shapes and dtypes only; a kernel's
+``TORCH_DPLR_DSA_TILELANG_*=0`` keeps its op on the PyTorch kernel); docs/dsa.md lists which
+calls take them.  The KL loss runs its PyTorch kernel.
 
 Conventions (Megatron-LM's unfused DSA path where it defines one):
 

@@ -217,6 +217,20 @@ class TinyDSALayer(torch.nn.Module):
         return self.wo(out.o.reshape(T, -1)), out.indexer_loss
 
 
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Inside, PyTorch takes its deterministic implementations: on CUDA the PyTorch kernels'
+    ``index_add_`` of the key gradients sums by atomics otherwise, so two calls of one kernel
+    differ by fp32 reordering.  ``warn_only``: cuBLAS's workspace setting is not required."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 #: The PyTorch kernels that a DSA op with a TileLang kernel falls back to on CUDA.
 PYTORCH_KERNELS = ("sparse_mla_fwd_reference", "sparse_mla_bwd_reference")
 

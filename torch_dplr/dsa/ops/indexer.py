@@ -18,11 +18,9 @@ On CUDA the forward and the backward run the TileLang kernels ``csrc_tl.dsa_inde
 sm_90 GPU); there an index outside ``[-1, T)`` is not rejected (that would read the indices on
 the host) but counts as an empty slot.  Their scores are the same sum in another order; the
 backward adds dk_idx with fp32 atomics, so its dk_idx may differ between runs by fp32
-reordering error (bound in the kernel's docstring).  Both are opt-in
-(:data:`INDEXER_KERNEL_SWITCH` set to 1) until their GPU tests (tests/test_tl_dsa_indexer.py
--m cuda) pass on main.  Everything else runs the PyTorch kernel.
+reordering error (bound in the kernel's docstring).  :data:`INDEXER_KERNEL_SWITCH` set to 0
+keeps both on their PyTorch kernels.  Everything else runs the PyTorch kernel.
 """
-import os
 
 from torch import Tensor
 import torch
@@ -32,24 +30,24 @@ from ...ops.tilelang_path import KERNEL_DTYPES, tilelang_usable
 from ..reference import indexer as ref
 from ..reference.layout import check_index_range
 from .kernels import aligned as _aligned
-from .kernels import kernel_for
+from .kernels import kernel_for, switched_off
 from .shapes import acc_dtype, allocate, indexer_bwd_shapes, indexer_fwd_shapes
 
-#: Environment variable that lets ``indexer_fwd`` / ``indexer_bwd`` run their TileLang
-#: kernels ("1").
+#: Environment variable that keeps ``indexer_fwd`` / ``indexer_bwd`` on their PyTorch kernels
+#: ("0").
 INDEXER_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_INDEXER"
 
 
 def _tilelang_kernel(family: str, q_idx: Tensor, k_idx: Tensor, indices: Tensor):
     """The TileLang kernel ``csrc_tl.<family>`` of this call, or None (the PyTorch kernel
-    runs): the opt-in switch set, q_idx and k_idx bf16 or fp16 of one dtype, int32 indices, at
-    least one token and slot, a variant built for ``(H_idx, D_idx)``
+    runs): the opt-out switch not set, q_idx and k_idx bf16 or fp16 of one dtype and length,
+    int32 indices, at least one token and slot, a variant built for ``(H_idx, D_idx)``
     (``csrc_tl.dsa_indexer_fwd.config_for``, which the backward shares), an sm_90 GPU.  Shapes,
     dtypes and the device only: no tensor value is read."""
-    if not (os.environ.get(INDEXER_KERNEL_SWITCH) == "1" and q_idx.dtype in KERNEL_DTYPES
-            and k_idx.dtype == q_idx.dtype and k_idx.shape[0] == q_idx.shape[0]
-            and indices.dtype == torch.int32
-            and q_idx.shape[0] and indices.shape[1] and tilelang_usable(q_idx.device)):
+    applies = (q_idx.dtype in KERNEL_DTYPES and k_idx.dtype == q_idx.dtype
+               and k_idx.shape[0] == q_idx.shape[0] and indices.dtype == torch.int32
+               and q_idx.shape[0] and indices.shape[1] and tilelang_usable(q_idx.device))
+    if not applies or switched_off(INDEXER_KERNEL_SWITCH):
         return None
     from csrc_tl.dsa_indexer_fwd import config_for  # TileLang is importable (checked above)
 

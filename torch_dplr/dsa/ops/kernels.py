@@ -10,12 +10,20 @@ silences it); one that cannot be built leaves its op on the PyTorch kernel, afte
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 
 from ...ops.kernels import _progress
 
 _kernels: dict[tuple, object] = {}  # (family, config) -> kernel, or None when it failed to build
 _MISSING = object()
+
+
+def switched_off(switch: str) -> bool:
+    """Whether the environment variable ``switch`` (a kernel's own opt-out, e.g.
+    ``TORCH_DPLR_DSA_TILELANG_BWD``) is "0": its op then runs the PyTorch kernel.  Read at
+    every call, so a test or a bisection can flip it in a running process."""
+    return os.environ.get(switch) == "0"
 
 
 def aligned(x):

@@ -20,11 +20,9 @@ and ``csrc_tl.dsa_sparse_mla_bwd`` where one is built (:func:`_tilelang_kernel`:
 ``lse`` and ``dlse`` fp32); there an index outside ``[-1, T_kv)`` is not rejected (that would
 read the indices on the host) but counts as an empty slot.  The backward kernel adds dkv with
 fp32 atomics, so its dkv may differ between runs by fp32 reordering error (bound in the
-kernel's docstring); it is opt-in (:data:`BWD_KERNEL_SWITCH` set to 1): its GPU tests
-(tests/test_tl_dsa_sparse_mla_bwd.py) have not run on an H200.  Everything else runs the
-PyTorch kernel.
+kernel's docstring); :data:`BWD_KERNEL_SWITCH` set to 0 keeps the backward on its PyTorch
+kernel.  Everything else runs the PyTorch kernel.
 """
-import os
 
 from torch import Tensor
 import torch
@@ -34,7 +32,7 @@ from ...ops.tilelang_path import KERNEL_DTYPES, tilelang_usable
 from ..reference import sparse_mla as ref
 from ..reference.layout import check_index_range
 from .kernels import aligned as _aligned
-from .kernels import kernel_for
+from .kernels import kernel_for, switched_off
 from .shapes import acc_dtype, allocate, sparse_mla_bwd_shapes, sparse_mla_fwd_shapes
 
 
@@ -115,7 +113,7 @@ def _(q, kv, indices, o, lse, do, dlse, scale, d_v):
     return allocate(sparse_mla_bwd_shapes(q, kv), q.device)
 
 
-#: Environment variable that lets ``sparse_mla_bwd`` run its TileLang kernel ("1").
+#: Environment variable that keeps ``sparse_mla_bwd`` on its PyTorch kernel ("0").
 BWD_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_BWD"
 
 
@@ -123,7 +121,7 @@ BWD_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_BWD"
 @without_autocast
 def sparse_mla_bwd_cuda(q, kv, indices, o, lse, do, dlse, scale, d_v):
     kernel = None
-    if (os.environ.get(BWD_KERNEL_SWITCH) == "1" and o.dtype == do.dtype == q.dtype
+    if (not switched_off(BWD_KERNEL_SWITCH) and o.dtype == do.dtype == q.dtype
             and lse.dtype == dlse.dtype == torch.float32):
         kernel = _tilelang_kernel("dsa_sparse_mla_bwd", q, kv, indices, d_v)
     if kernel is None:

@@ -17,11 +17,9 @@ There ``cu_seqlens`` is not checked on the host (that would sync): a malformed o
 within whatever key ranges it implies, never outside ``[0, t]``.  Its scores are the same sum
 in another order (tensor-core products), so a key whose score is within fp32 rounding of a
 row's k-th score may be chosen where the PyTorch kernel chose another; with equal scores the
-two agree exactly, ties included.  The kernel is opt-in (:data:`TOPK_KERNEL_SWITCH` set to 1):
-its GPU tests (tests/test_tl_dsa_indexer_topk.py) have not run on an H200.  Everything else
-runs the PyTorch kernel.
+two agree exactly, ties included.  :data:`TOPK_KERNEL_SWITCH` set to 0 keeps the PyTorch kernel
+there too.  Everything else runs the PyTorch kernel.
 """
-import os
 
 from torch import Tensor
 import torch
@@ -31,7 +29,7 @@ from ...ops.tilelang_path import KERNEL_DTYPES, tilelang_usable
 from ..reference import topk as ref
 from ..reference.layout import checked_key_starts, key_starts
 from .kernels import aligned as _aligned
-from .kernels import kernel_for
+from .kernels import kernel_for, switched_off
 from .shapes import acc_dtype, allocate, indexer_topk_shapes
 
 
@@ -71,7 +69,7 @@ def _tilelang_kernel(q_idx: Tensor, k_idx: Tensor, topk: int):
     return None if config is None else kernel_for("dsa_indexer_topk", config)
 
 
-#: Environment variable that lets ``indexer_topk`` run its TileLang kernel ("1").
+#: Environment variable that keeps ``indexer_topk`` on its PyTorch kernel ("0").
 TOPK_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_TOPK"
 
 
@@ -79,7 +77,7 @@ TOPK_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_TOPK"
 @without_autocast
 def indexer_topk_cuda(q_idx, k_idx, w, cu_seqlens, topk):
     kernel = None
-    if os.environ.get(TOPK_KERNEL_SWITCH) == "1":
+    if not switched_off(TOPK_KERNEL_SWITCH):
         kernel = _tilelang_kernel(q_idx, k_idx, topk)
     if kernel is None:
         return indexer_topk_reference(q_idx, k_idx, w, cu_seqlens, topk)
