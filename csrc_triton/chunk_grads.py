@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from . import chunk_terms
-from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, LOG2E, chunk_tile_rows, first_column,
+from .dplr_tile import (EXACT_ALL, EXACT_FLAGGED, FAST, LOG2E, first_column,
                         gate_sums, gated_operands, load_rows, load_stored, sequence_of, tile_at,
                         tile_forward_step, walk_start)
 from .dplr_tile_bwd import state_grad_step, tile_backward_stored
@@ -100,22 +100,30 @@ def chunk_grads_kernel(q, k, v, a, b, gk, h_saved, dh_chunks, do, chunk_start, c
     if run:
         dtype: tl.constexpr = dq.dtype.element_ty
         EXACT: tl.constexpr = MODE != FAST
-        start = tl.load(chunk_start + slot)
+        # every pointer advanced to the chunk's first token: the tiles' offsets stay int32
+        # (an int64 offset tile takes two registers an element, and this kernel spills)
+        start = tl.load(chunk_start + slot).to(tl.int64)
+        at_k = start * H * K
+        at_v = start * H * V
+        q, k, a, b, gk = q + at_k, k + at_k, a + at_k, b + at_k, gk + at_k
+        dq, dk, da, db, dgk = dq + at_k, dk + at_k, da + at_k, db + at_k, dgk + at_k
+        v, do, dv = v + at_v, do + at_v, dv + at_v
         state_offsets = tl.arange(0, K)[:, None] * V + tl.arange(0, V)[None, :]
         chunk_state = (slot * H + i_h) * K * V + state_offsets
         h_chunk = tl.load(h_saved + chunk_state)
         dh = tl.load(dh_chunks + chunk_state)
         n_tiles = tl.cdiv(length, BT)
+        rows = tl.arange(0, BT)
         for tr in range(n_tiles):
             t = n_tiles - 1 - tr
             h = h_chunk
             for t_before in range(t):  # the state entering tile t
-                tok, valid = chunk_tile_rows(start, length, t_before, BT)
-                h = tile_forward_step(q, k, v, a, b, gk, tok, valid, i_h, H, K, V, h, scale,
-                                      dtype, EXACT, BT, STATE_SPLIT)
-            tok, valid = chunk_tile_rows(start, length, t, BT)
-            dh = tile_backward_stored(q, k, v, a, b, gk, do, tok, valid, i_h, H, K, V, h, dh,
-                                      dq, dk, dv, da, db, dgk, scale, dtype, EXACT, BT,
+                tok = t_before * BT + rows
+                h = tile_forward_step(q, k, v, a, b, gk, tok, tok < length, i_h, H, K, V, h,
+                                      scale, dtype, EXACT, BT, STATE_SPLIT)
+            tok = t * BT + rows
+            dh = tile_backward_stored(q, k, v, a, b, gk, do, tok, tok < length, i_h, H, K, V,
+                                      h, dh, dq, dk, dv, da, db, dgk, scale, dtype, EXACT, BT,
                                       STATE_SPLIT)
 
 

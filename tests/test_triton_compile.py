@@ -109,5 +109,23 @@ def test_every_triton_kernel_compiles_for_sm90():
     assert len(lines) == len(list(variants()))
 
 
+def test_register_report_covers_the_split_pass():
+    """tools/triton_registers.py compiles every launch of the split pass (captured on CPU
+    tensors, not run) and reports each kernel's registers and stack."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "triton_registers.py"),
+                          "--chunk", "16", "--warps", "8", "--state-split", "0"], env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert {line["kernel"] for line in lines} == {"tile_terms_kernel", "state_sweep_kernel",
+                                                  "grad_walk_kernel", "chunk_grads_kernel"}
+    for line in lines:
+        assert line["num_warps"] == 8 and line["TILES_PER_CHUNK"] == 1, line
+        assert 0 < line["regs"] <= 255 and line["stack"] >= 0, line
+    assert {line["STATE_SPLIT"] for line in lines if "STATE_SPLIT" in line} == {False}
+
+
 if __name__ == "__main__":
     compile_all()
