@@ -72,15 +72,17 @@ CUDA_GRAPH_TOL = {**INDUCTOR_TOL, torch.float32: (1e-4, 1e-5)}
 
 
 def reduce_overhead_case(dtype):
-    """The CUDA-graph test at ``dtype``: expected to pass where every op runs its TileLang
-    kernel (no host sync, no tensor kept across calls); xfail on the PyTorch kernels."""
+    """The CUDA-graph test at ``dtype``: run where every op runs its TileLang kernel (no host
+    sync, no tensor kept across calls); skipped on the PyTorch kernels, whose capture fails.
+    Not an xfail: a capture that raises can leave the CUDA generator marked as capturing, and a
+    later ``torch.randn`` on CUDA in the same process (Inductor's pad_mm benchmarking, say)
+    then raises "Offset increment outside graph capture"."""
     if runs_tilelang_kernels(dtype):
         return pytest.param(dtype, id=dtype_id(dtype))
     reason = ("the PyTorch kernels on CUDA sync the host and cache layouts built during capture; "
               "graph capture needs every op on its TileLang kernel (bf16 at "
               "TORCH_DPLR_TEST_HEAD_DIM=64/128)")
-    return pytest.param(dtype, marks=pytest.mark.xfail(strict=False, reason=reason),
-                        id=dtype_id(dtype))
+    return pytest.param(dtype, marks=pytest.mark.skip(reason=reason), id=dtype_id(dtype))
 
 
 @pytest.mark.cuda
