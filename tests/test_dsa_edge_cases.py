@@ -75,6 +75,21 @@ def test_sparse_mla_without_slots():
     assert (q.grad == 0).all() and (kv.grad == 0).all()
 
 
+def test_indexer_loss_without_slots():
+    """scores and indices [T, 0]: no row has a valid slot, so the loss is 0 (either reduction)
+    and the scores' gradient is empty."""
+    x = make_inputs(5)
+    scores = torch.empty(5, 0, requires_grad=True)
+    lse = torch.full((5, x["q"].shape[1]), float("-inf"))
+    for reduction in ("mean", "sum"):
+        loss, target = torch.ops.dsa.indexer_loss_fwd(scores, x["q"], x["kv"],
+                                                       torch.empty(5, 0, dtype=torch.int32),
+                                                       lse, 0.3, 0.5, reduction)
+        assert loss.item() == 0 and target.shape == (5, 0)
+        (dscores,) = torch.autograd.grad(loss, scores)
+        assert dscores.shape == (5, 0)
+
+
 def test_one_token_sequences():
     """Every token alone: each attends to itself (o = its value row, lse = its own logit), and
     the loss is 0 (one selected key: both distributions are 1)."""

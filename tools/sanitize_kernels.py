@@ -18,8 +18,10 @@ without a valid slot, kv rows shared by many tokens (the backward's atomics) and
 than q; then every variant of the DSA indexer kernels (``csrc_tl.dsa_indexer_topk``,
 ``dsa_indexer_fwd`` / ``_bwd``: each (H_idx, D_idx) x dtype) through ``dsa::indexer_topk`` and
 ``dsa::indexer_fwd``'s autograd, packed sequences with an empty one, a short one and a padding
-tail, top-k rows with -1 tails and out-of-range slots; fails if any stage or DSA op fell back
-to its PyTorch kernel.
+tail, top-k rows with -1 tails and out-of-range slots; then every variant of the KL loss
+forward (``csrc_tl.dsa_indexer_loss``, opted in) through ``dsa::indexer_loss_fwd``, with a
+padded head, slots past kv and padding rows; fails if any stage or DSA op fell back to its
+PyTorch kernel.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import sys
 import torch
 
 import torch_dplr
-from csrc_tl import dsa_sparse_mla_fwd
+from csrc_tl import dsa_indexer_loss, dsa_sparse_mla_fwd
 from torch_dplr.dsa.testing import forbid_pytorch_kernels
 from torch_dplr.testing import RWKV7_BOUND, forbid_pytorch_stages, make_inputs
 
@@ -138,6 +140,44 @@ def run_indexer(H, D, dtype_name):
     assert all(torch.isfinite(x).all() for x in (q.grad, key.grad, w.grad))
 
 
+@contextlib.contextmanager
+def loss_kernel_only():
+    """The KL loss forward's TileLang kernel opted in, its PyTorch kernel failing if run."""
+    from unittest import mock
+
+    from benchmarks.envvars import scoped_env
+    from torch_dplr.dsa.ops import loss
+
+    def fail(*args, **kwargs):
+        raise AssertionError("indexer_loss_fwd ran its PyTorch kernel")
+
+    with scoped_env(loss.LOSS_KERNEL_SWITCH, "1"), \
+            mock.patch.object(loss, "indexer_loss_fwd_reference", fail):
+        yield
+
+
+def run_loss(config):
+    """The KL loss forward at one variant (``csrc_tl.dsa_indexer_loss.variants()``), through its
+    op: T 200 in three packed sequences and a padding tail, k 150 (two slot blocks, a partial
+    one), -1 tails, slots past T_kv, H one below the CTA's heads (a padded head)."""
+    D_qk, heads, dtype = config["D_qk"], config["heads"], getattr(torch, config["dtype"])
+    T, T_kv, k, H = 200, 180, 150, config["heads"] - 1
+    assert dsa_indexer_loss.config_for(D_qk, H, dtype) == config
+    gen = torch.Generator().manual_seed(D_qk + heads)
+    q = torch.randn(T, H, D_qk, generator=gen).to("cuda", dtype)
+    kv = torch.randn(T_kv, D_qk, generator=gen).to("cuda", dtype)
+    indices = torch.randint(0, T_kv, (T, k), generator=gen, dtype=torch.int32).cuda()
+    indices[:, k - 20:] = -1
+    indices[::7, 3] = T_kv + 3  # past kv: p = 0, never gathered
+    indices[190:] = -1  # padding rows: no valid slot
+    scores = torch.randn(T, k, generator=gen).cuda()
+    lse = torch.randn(T, H, generator=gen).cuda() + 8
+    loss, target = torch.ops.dsa.indexer_loss_fwd(scores, q, kv, indices, lse, D_qk ** -0.5,
+                                                  0.1, "mean")
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss) and torch.isfinite(target).all()
+
+
 def run_dplr():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with forbid_pytorch_stages():
@@ -170,6 +210,10 @@ def main(argv=None) -> int:
             for case in INDEXER_CASES:
                 run_indexer(*case)
                 print(f"ran DSA indexer top-k + scores fwd + bwd {case}", flush=True)
+        with loss_kernel_only():
+            for config in dsa_indexer_loss.variants():
+                run_loss(config)
+                print(f"ran DSA KL loss fwd {config}", flush=True)
     return 0
 
 

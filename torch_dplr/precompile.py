@@ -2,8 +2,8 @@
 
 Without options it compiles every kernel variant the library can run: the DPLR kernels
 (172) and the DSA ops' (``csrc_tl.DSA_KERNEL_MODULES``: the sparse MLA forward and backward,
-the indexer with its top-k, the index scores forward and backward; 48); a GPU host with 16
-cores needs a few minutes, once.
+the indexer with its top-k, the index scores forward and backward, the KL loss forward; 56);
+a GPU host with 16 cores needs a few minutes, once.
 ``--family dplr`` or ``--family dsa`` compiles one family's variants only.  With
 ``--chunk-size``/``--head-dim``/``--dtype`` only the DPLR kernels of that configuration
 (what first calls would compile: the six stage kernels, the small-grid state backward's two,

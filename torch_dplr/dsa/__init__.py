@@ -36,7 +36,8 @@ GPU kernels: on sm_90, ``sparse_mla_fwd`` / ``_bwd`` run the TileLang kernels
 (192, 128) or (64, 64), and ``indexer_topk``, ``indexer_fwd`` / ``_bwd`` theirs at
 (H_idx, D_idx) = (64, 128) or (32, 64) (each op decides from shapes and dtypes only; a kernel's
 ``TORCH_DPLR_DSA_TILELANG_*=0`` keeps its op on the PyTorch kernel); docs/dsa.md lists which
-calls take them.  The KL loss runs its PyTorch kernel.
+calls take them.  The KL loss forward has a TileLang kernel, ``csrc_tl.dsa_indexer_loss``,
+opt-in (``TORCH_DPLR_DSA_TILELANG_LOSS=1``) until its GPU tests pass on main.
 
 Conventions (Megatron-LM's unfused DSA path where it defines one):
 

@@ -36,6 +36,8 @@ def target(q, kv, indices, lse, scale: float, out, block_q: int) -> torch.Tensor
 
 
 def _log_softmax(scores, valid):
+    if scores.shape[-1] == 0:  # no slot at all (k = 0): amax has nothing to reduce
+        return torch.zeros_like(scores)
     masked = scores.masked_fill(~valid, float("-inf"))
     m = masked.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, 0)
