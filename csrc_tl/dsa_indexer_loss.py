@@ -10,10 +10,10 @@ Contract (``torch_dplr.dsa.reference.loss``, see :func:`ref_program`)::
     KL[t]      = Σ_j p · (log max(p, 1e-10) - log_q)                            (valid slots)
     rows[t]    = (KL[t], 1 if row t has a valid slot else 0)
 
-A slot is valid for the KL when its index is ``>= 0`` (the reference's and the backward's
-rule); it is gathered when its index also lies below ``T_kv``, so the kernel never reads
-outside kv (the PyTorch kernel rejects other indices with a host read; the CUDA op reads none):
-an index past ``T_kv`` gets ``p = 0`` but its score still counts in the softmax.  ``lse`` is
+A slot is valid when its index lies in ``[0, T_kv)``: the kernel never reads outside kv, and an
+index at or past ``T_kv`` is an empty slot, as in the sparse MLA and indexer kernels (whose
+score kernel writes -inf there); the PyTorch kernel rejects such indices with a host read, the
+CUDA op reads none.  ``lse`` is
 the sparse attention's own (``dsa::sparse_mla_fwd``), so ``exp(logit - lse)`` is each head's
 probability without a second pass.  A row without a valid slot (padding tokens, whose indices
 are all -1) gets ``p = 0`` and ``rows[t] = (0, 0)``.  The op turns ``rows`` into the loss:
@@ -39,10 +39,10 @@ block).  The CTA runs:
              a row reduction inside a warp or warpgroup pair), ``P = 2^(S · scale · log2 e -
              lse · log2 e)`` (a padded head has ``lse = +inf``: P = 0), masked to the block's
              gathered slots, summed over heads, divided by H and stored as ``u``
-    tail     two strided passes over the row: the sum of ``u`` (read back: the CTA's own
-             stores, ordered by a barrier), then ``p = u / max(sum, 1e-10)`` written over
-             it, for every slot, and the KL terms, summed as in the scan; one thread writes
-             ``rows[t]``
+    tail     the sum of ``u`` (the blocks' per-slot sums, reduced once), then one strided
+             pass over the row: ``p = u / max(sum, 1e-10)`` read back (the CTA's own stores,
+             ordered by a barrier) and written over ``u`` for every slot, and the KL terms,
+             summed as in the scan; one thread writes ``rows[t]``
 
 Pipeline: each block's kv tile is ``D_qk / chunk`` column chunks, and the ring holds
 ``num_stages`` tiles of chunks, one cp.async commit group per chunk (an empty group where a
@@ -71,13 +71,13 @@ Numerics and determinism
 Products in fp32 on the tensor cores (bf16 / fp16 operands, as the inputs), exponentials in
 log2 units (``exp2``), every sum in fp32; the scores' softmax in natural units as the
 reference (``exp``, ``log``, the ``1e-10`` floor in ``log p``, ``log`` of the sum clamped at
-the smallest normal).  The results differ from the PyTorch kernel by fp32 summation order
-only.  No atomics: every sum has a fixed order (per-thread strided partials, shuffle trees,
+the smallest normal).  The results differ from the PyTorch kernel by fp32 summation order and
+the rounding of the log2-unit exponents.  No atomics: every sum has a fixed order (per-thread strided partials, shuffle trees,
 warps in order), so two runs are bit-for-bit equal.
 
 Shared memory (:func:`smem_bytes`): q, the kv ring, the slot mask, the heads' ``-lse · log2 e``
 and the reductions' scratch; every built config stays :data:`_SMEM_MARGIN` under the sm_90
-per-CTA limit (221 KiB of tiles at D_qk 576 with 128 heads, one CTA per SM).  Registers: the
+per-CTA limit (216 KiB of tiles at D_qk 576 with 128 heads, one CTA per SM).  Registers: the
 ``[block_I, heads]`` fp32 S tile is 32 per thread in every default config.  With 64 slots and
 128 heads the two warpgroups split the heads (their head sums meet in shared memory), with
 128 slots and 64 heads they split the slots.
@@ -202,6 +202,11 @@ def dsa_indexer_loss_kernel(
 
     Tn, Tkv, H, K = T.dynamic("T, T_kv, H, K")
 
+    def slot_value(x, t, j, past):
+        """``x[t, j]`` of a ``[T, K]`` tensor, ``past`` for a slot ``j >= K`` (the row's reads
+        cover whole strides and blocks): an expression, built while tracing."""
+        return T.if_then_else(j < K, x[t, T.min(j, K - 1)], past)
+
     @T.macro
     def gather_chunk(kv, indices, t, blk, c, kv_s, buf):
         """Chunk c of block blk's kv rows into ring buffer ``buf`` by cp.async, 16 bytes per
@@ -214,7 +219,7 @@ def dsa_indexer_loss_kernel(
             col = (flat % per_row) * _VEC
             if flat < BI * per_row:
                 slot = blk * BI + r
-                key = T.if_then_else(slot < K, indices[t, T.min(slot, K - 1)], -1)
+                key = slot_value(indices, t, slot, -1)
                 ok = (key >= 0) and (key < Tkv)
                 T.ptx_cp_async(
                     T.access_ptr(kv_s[buf, r, col], "w", _VEC),
@@ -300,14 +305,12 @@ def dsa_indexer_loss_kernel(
             for r0 in T.serial(T.ceildiv(K, threads * _UNROLL)):
                 for u in T.unroll(_UNROLL):
                     j = (r0 * _UNROLL + u) * threads + tx
-                    key_r[u] = T.if_then_else(j < K, indices[t, T.min(j, K - 1)], -1)
-                    score_r[u] = T.if_then_else(j < K, scores[t, T.min(j, K - 1)],
-                                                T.float32(0))
+                    key_r[u] = slot_value(indices, t, j, -1)
+                    score_r[u] = slot_value(scores, t, j, T.float32(0))
                 for u in T.unroll(_UNROLL):
-                    if key_r[u] >= 0:
+                    if (key_r[u] >= 0) and (key_r[u] < Tkv):
                         any_ok = 1
-                        if key_r[u] < Tkv:
-                            last = (r0 * _UNROLL + u) * threads + tx
+                        last = (r0 * _UNROLL + u) * threads + tx
                         # a -inf score adds exp(-inf) = 0 (against m = -inf, score - m would
                         # be NaN); otherwise one exponential: the smaller of (score, m)
                         # against the larger
@@ -354,7 +357,7 @@ def dsa_indexer_loss_kernel(
                     if c == 0:
                         for j in T.Parallel(BI):
                             slot = i * BI + j
-                            key = T.if_then_else(slot < K, indices[t, T.min(slot, K - 1)], -1)
+                            key = slot_value(indices, t, slot, -1)
                             ok_s[j] = T.if_then_else((key >= 0) and (key < Tkv), T.float32(1),
                                                      T.float32(0))
                     T.gemm(kv_s[cur * NC + c, :, :], q_s[c, :, :], acc, transpose_B=True,
@@ -373,10 +376,12 @@ def dsa_indexer_loss_kernel(
                 for j in T.Parallel(BI):
                     if i * BI + j < K:
                         target[t, i * BI + j] = p_blk[j]
+            # the groups of blocks past the last, and q's when the row gathered no block, land
+            # before the reduction (its scratch may overlap their buffers), and every u of the
+            # row is stored and visible to the CTA
+            T.ptx_wait_group(0)
+            T.sync_threads()
             T.reduce_sum(u_sum, row_u, dim=0)
-
-            T.ptx_wait_group(0)  # the groups of blocks past the last, and q's without a block
-            T.sync_threads()  # every u of the row is stored (and visible to the CTA)
 
             # tail: p = u / max(Σ u, 1e-10) over every slot (0 past the last block) and the
             # row's KL over the valid slots
@@ -386,9 +391,8 @@ def dsa_indexer_loss_kernel(
             for r0 in T.serial(T.ceildiv(K, threads * _UNROLL)):
                 for u in T.unroll(_UNROLL):
                     j = (r0 * _UNROLL + u) * threads + tx
-                    key_r[u] = T.if_then_else(j < K, indices[t, T.min(j, K - 1)], -1)
-                    score_r[u] = T.if_then_else(j < K, scores[t, T.min(j, K - 1)],
-                                                T.float32(0))
+                    key_r[u] = slot_value(indices, t, j, -1)
+                    score_r[u] = slot_value(scores, t, j, T.float32(0))
                     u_r[u] = T.if_then_else(j < done, target[t, T.min(j, K - 1)],
                                             T.float32(0))
                 for u in T.unroll(_UNROLL):
@@ -396,7 +400,7 @@ def dsa_indexer_loss_kernel(
                     p = u_r[u] / total
                     if j < K:
                         target[t, j] = p
-                    if key_r[u] >= 0:
+                    if (key_r[u] >= 0) and (key_r[u] < Tkv):
                         log_q = (score_r[u] - m_row) - log_z
                         kl = kl + p * (T.log(T.max(p, T.float32(EPS))) - log_q)
             warp_partials(kl, red_s, 2, lane, warp)

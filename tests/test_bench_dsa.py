@@ -122,7 +122,9 @@ def test_kernel_probe_sees_a_fallback(monkeypatch):
     assert probe.kernels("cuda") == {"sparse_mla_fwd": "pytorch", "sparse_mla_bwd": "pytorch"}
 
 
-def test_smoke_run_on_cpu_and_resume(tmp_path, capsys):
+def test_smoke_run_on_cpu_and_resume(tmp_path, capsys, monkeypatch):
+    for name in (*dsa.KERNEL_SWITCHES, dsa.PYTORCH_ONLY):
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "cpu-dsa.json"
     argv = ["--device", "cpu", "--quick", "--out", str(out), "--reps", "1",
             "--cells", "sparse_mla/f|indexer_topk|indexer_loss/fwd_bwd|dsa_attention"]
@@ -142,8 +144,10 @@ def test_smoke_run_on_cpu_and_resume(tmp_path, capsys):
         assert set(r["torch_dplr_kernels"].values()) == {"pytorch"}  # no GPU
         assert r["tilelang_example_ms"] is None and r["ratio_tilelang_example"] is None
         assert r["tilelang_example_skipped"] == "TileLang's example kernels need CUDA"
-        assert r["device"] == "cpu" and set(r["switches"]) == {*dsa.KERNEL_SWITCHES,
-                                                               dsa.PYTORCH_ONLY}
+        # the opt-in kernels switched on for the run, nothing else set
+        assert r["device"] == "cpu" and r["switches"] == {
+            **dict.fromkeys((*dsa.KERNEL_SWITCHES, dsa.PYTORCH_ONLY)),
+            **dict.fromkeys(dsa.OPT_IN_SWITCHES, "1")}
         assert r["dtype"] == "bf16"
     assert records[0]["valid_fraction"] == round(dsa.valid_slots(128, 64) / (128 * 64), 4)
     assert records[2]["valid_fraction"] is None

@@ -63,21 +63,20 @@ def logsumexp_over_slots(q, kv, indices, scale):
 
 def kernel_model(scores, q, kv, indices, lse, scale):
     """The kernel's contract in fp64, row by row: ``(target, rows)``.  A slot is valid when its
-    index is >= 0 and gathered when it is also below ``T_kv`` (``p`` = 0 where it is not); the
-    scores' softmax runs over the valid slots; ``rows[t] = (KL[t], row t has a valid slot)``."""
+    index lies in ``[0, T_kv)`` (another is an empty slot, as in the other DSA kernels); ``p``
+    and the scores' softmax run over the valid slots; ``rows[t] = (KL[t], row t has a valid
+    slot)``."""
     T, H = q.shape[:2]
     target = torch.zeros(indices.shape, dtype=torch.float64)
     rows = torch.zeros(T, 2, dtype=torch.float64)
     for t in range(T):
         idx = indices[t].long().cpu()
-        valid = idx >= 0
-        gathered = valid & (idx < kv.shape[0])
-        if gathered.any():
-            keys = kv[idx[gathered]].cpu().double()
+        valid = (idx >= 0) & (idx < kv.shape[0])
+        if valid.any():
+            keys = kv[idx[valid]].cpu().double()
             logits = scale * q[t].cpu().double() @ keys.T
             u = torch.exp(logits - lse[t].cpu().double()[:, None]).sum(0) / H
-            target[t, gathered] = u / max(float(u.sum()), kl.EPS)
-        if valid.any():
+            target[t, valid] = u / max(float(u.sum()), kl.EPS)
             s = scores[t].cpu().double()[valid]
             finite = s[s > float("-inf")]
             m = float(finite.max()) if finite.numel() else 0.0
@@ -151,6 +150,21 @@ def test_model_gives_the_pytorch_kernels_infinities():
     assert torch.isposinf(loss)
     assert torch.isposinf(rows[5, 0]) and torch.isposinf(rows[9, 0])
     assert torch.isfinite(rows[[0, 1, 2, 3, 4, 6, 7, 8], 0]).all()
+
+
+def test_model_treats_slots_past_kv_as_empty():
+    """An index at or past T_kv is an empty slot even with a -inf score (what the score
+    kernel writes there): the same target and rows as a -1 in its place."""
+    scores, q, kv, idx, lse = make_inputs(20, 2, 16, 8, torch.float32)
+    past, empty = idx.clone(), idx.clone()
+    past[4, 0], empty[4, 0] = 25, -1
+    scores_past = scores.clone()
+    scores_past[4, 0] = float("-inf")
+    lse = logsumexp_over_slots(q, kv, empty, 0.25)
+    got = kernel_model(scores_past, q, kv, past, lse, 0.25)
+    want = kernel_model(scores, q, kv, empty, lse, 0.25)
+    assert torch.isfinite(got[1]).all()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.fixture
@@ -315,8 +329,8 @@ def kernel_call(*args):
 @pytest.mark.parametrize("D_qk,H", [(576, 128), (576, 64), (576, 20), (192, 128), (64, 16)])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=dtype_id)
 def test_kernel_matches_the_pytorch_kernel(gpu_kernels, opted_in, D_qk, H, dtype, reduction):
-    """Packed sequences (a one-token one, padding rows), k = 200 (two slot blocks and a
-    partial one): target and loss against the PyTorch kernel on the same inputs."""
+    """Packed sequences (a one-token one, padding rows), k = 200 (blocks of 64 or 128 slots,
+    the last partial): target and loss against the PyTorch kernel on the same inputs."""
     scale = D_qk ** -0.5
     scores, q, kv, idx, lse = make_inputs(300, H, D_qk, 200, dtype, cu=(0, 150, 151, 280),
                                           device="cuda")
@@ -330,24 +344,35 @@ def test_kernel_matches_the_pytorch_kernel(gpu_kernels, opted_in, D_qk, H, dtype
 
 @pytest.mark.cuda
 def test_slots_past_kv_and_infinite_scores_follow_the_model(gpu_kernels, opted_in):
-    """A slot at or past T_kv gets p = 0 and its score counts in the softmax; a -inf score makes
-    its row's KL +inf (the PyTorch kernel's answer), never NaN."""
+    """An index at or past T_kv is an empty slot, whatever its score (the score kernel writes
+    -inf there); a -inf score at a valid slot makes its row's KL +inf (the PyTorch kernel's
+    answer), never NaN."""
     scores, q, kv, idx, lse = make_inputs(64, 16, 64, 32, BF16, T_kv=64, device="cuda")
-    idx[3, 1] = 64
-    idx[7, 0] = 10_000
+    idx[3, 1], idx[7, 0], idx[9, 2] = 64, 10_000, 70
+    scores[9, 2] = float("-inf")
     lse = logsumexp_over_slots(q, kv, idx, 0.125)
-    scores[20, 0] = float("-inf")
-    _, target = kernel_call(scores, q, kv, idx, lse, 0.125, 1.0, "sum")
+    loss, target = kernel_call(scores, q, kv, idx, lse, 0.125, 1.0, "sum")
     want_target, want_rows = kernel_model(scores, q, kv, idx, lse, 0.125)
     torch.testing.assert_close(target.cpu().double(), want_target, rtol=1e-4, atol=1e-6)
-    assert target[3, 1] == 0 and target[7, 0] == 0
-    finite = torch.arange(64) != 20
-    loss_finite, _ = kernel_call(scores[finite], q[finite], kv, idx[finite], lse[finite], 0.125,
-                                 1.0, "sum")
-    torch.testing.assert_close(loss_finite.cpu().double(), want_rows[finite, 0].sum(),
-                               rtol=1e-4, atol=1e-6)
+    assert target[3, 1] == 0 and target[7, 0] == 0 and target[9, 2] == 0
+    torch.testing.assert_close(loss.cpu().double(), want_rows[:, 0].sum(), rtol=1e-4, atol=1e-6)
+    scores[20, 0] = float("-inf")
     loss, _ = kernel_call(scores, q, kv, idx, lse, 0.125, 1.0, "sum")
     assert torch.isposinf(loss)
+
+
+@pytest.mark.cuda
+def test_rows_longer_than_one_scan_pass(gpu_kernels, opted_in):
+    """k = 2100: the scan and the tail take two strided passes (2048 slots each); two runs give
+    the same bits (no atomics, fixed summation order)."""
+    scores, q, kv, idx, lse = make_inputs(2200, 16, 64, 2100, BF16, device="cuda")
+    loss, target = kernel_call(scores, q, kv, idx, lse, 0.125, 0.01, "mean")
+    loss_ref, target_ref = op.indexer_loss_fwd_reference(scores, q, kv, idx, lse, 0.125, 0.01,
+                                                         "mean")
+    torch.testing.assert_close(target, target_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-7)
+    again = kernel_call(scores, q, kv, idx, lse, 0.125, 0.01, "mean")
+    assert torch.equal(again[0], loss) and torch.equal(again[1], target)
 
 
 @pytest.mark.cuda

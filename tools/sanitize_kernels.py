@@ -158,8 +158,9 @@ def loss_kernel_only():
 
 def run_loss(config):
     """The KL loss forward at one variant (``csrc_tl.dsa_indexer_loss.variants()``), through its
-    op: T 200 in three packed sequences and a padding tail, k 150 (two slot blocks, a partial
-    one), -1 tails, slots past T_kv, H one below the CTA's heads (a padded head)."""
+    op: T 200, k 150 random keys of a kv of 180 rows (blocks of 64 or 128 slots, the last
+    partial), -1 tails, slots past T_kv, 10 padding rows without a slot, H one below the CTA's
+    heads (a padded head)."""
     D_qk, heads, dtype = config["D_qk"], config["heads"], getattr(torch, config["dtype"])
     T, T_kv, k, H = 200, 180, 150, config["heads"] - 1
     assert dsa_indexer_loss.config_for(D_qk, H, dtype) == config

@@ -19,8 +19,8 @@ each row's KL in one pass over the selected keys, no per-head probabilities in H
 the rows): q and kv bf16 or fp16 of one dtype, fp32 ``lse``, scores in fp32 (bf16 / fp16 are
 read as fp32), int32 indices, ``(D_qk, H)`` with a variant
 (``csrc_tl.dsa_indexer_loss.config_for``), an sm_90 GPU.  There an index at or past ``T_kv``
-is not rejected (that would read the indices on the host): its slot gets ``p = 0`` and its
-score still counts in the softmax.  It is opt-in (:data:`LOSS_KERNEL_SWITCH` set to 1) until
+is not rejected (that would read the indices on the host) but counts as an empty slot, as in
+the other DSA kernels.  It is opt-in (:data:`LOSS_KERNEL_SWITCH` set to 1) until
 its GPU tests (tests/test_tl_dsa_indexer_loss.py -m cuda) pass on main.  The backward is
 elementwise (``softmax(scores) - p``) and runs its PyTorch kernel everywhere.
 """
