@@ -109,7 +109,8 @@ def chunk_grads_kernel(q, k, v, a, b, gk, h_saved, dh_chunks, do, chunk_start, c
         dq, dk, da, db, dgk = dq + at_k, dk + at_k, da + at_k, db + at_k, dgk + at_k
         v, do, dv = v + at_v, do + at_v, dv + at_v
         state_offsets = tl.arange(0, K)[:, None] * V + tl.arange(0, V)[None, :]
-        chunk_state = (slot * H + i_h) * K * V + state_offsets
+        # int64: slots x H x K x V passes 2^31 from about 262k tokens at chunk 16, H 32, D 64
+        chunk_state = (slot.to(tl.int64) * H + i_h) * K * V + state_offsets
         h_chunk = tl.load(h_saved + chunk_state)
         dh = tl.load(dh_chunks + chunk_state)
         n_tiles = tl.cdiv(length, BT)

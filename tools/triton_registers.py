@@ -42,33 +42,41 @@ class _Captured:
 
 
 def _signature(fn, args, kwargs):
-    """Triton's (signature, constexprs, options) of one captured launch."""
-    signature, constexprs = {}, {}
+    """Triton's (signature, constexprs, attrs, options) of one captured launch, specialized as
+    the JIT specializes a launch: a pointer 16-byte aligned or an integer divisible by 16 is
+    marked divisible by 16 (the compiler vectorizes and folds address math on it)."""
+    signature, constexprs, attrs = {}, {}, {}
     names = fn.arg_names
     values = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
-    for name, param in zip(names, fn.params):
+    for index, (name, param) in enumerate(zip(names, fn.params)):
         value = values[name]
         if param.is_constexpr:
             signature[name] = "constexpr"
             constexprs[name] = value
-        elif isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
         elif isinstance(value, bool):
-            signature[name] = "i1"
+            signature[name], divisible = "i1", False
+        elif isinstance(value, float):
+            signature[name], divisible = "fp32", False
         else:
-            signature[name] = "fp32" if isinstance(value, float) else "i32"
+            signature[name], divisible = "i32", value % 16 == 0
+        if divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    return signature, constexprs, options
+    return signature, constexprs, attrs, options
 
 
-def resources(fn, signature, constexprs, options) -> dict:
+def resources(fn, signature, constexprs, attrs, options) -> dict:
     """Compile for sm_90a and read the cubin's resource usage."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -81,11 +89,11 @@ def resources(fn, signature, constexprs, options) -> dict:
 
 def split_pass_launches(chunk: int, num_warps: int, state_split: bool):
     """The launches of one split forward (states kept) and backward at ``chunk``, bf16,
-    D = 64, a declared bound."""
+    H = 32, D = 64, a declared bound (the design shape's heads and dims, two chunks)."""
     from csrc_triton import chunk_grads, chunk_terms, state_sweep, tile_terms
     from torch_dplr.ops.varlen import kernel_tables
 
-    B, T, H, D = 1, 2 * chunk, 2, 64
+    B, T, H, D = 1, 2 * chunk, 32, 64
     tokens = [torch.zeros(1, B * T, H, D, dtype=torch.bfloat16) for _ in range(5)]
     q, k, v, a, b = tokens
     gk = torch.zeros(1, B * T, H, D)
@@ -122,13 +130,14 @@ def main() -> int:
     for warps in map(int, args.warps.split(",")):
         for split in map(int, args.state_split.split(",")):
             for fn, call_args, kwargs in split_pass_launches(args.chunk, warps, bool(split)):
-                signature, constexprs, options = _signature(fn, call_args, kwargs)
+                signature, constexprs, attrs, options = _signature(fn, call_args, kwargs)
                 key = (fn.__name__, tuple(sorted(constexprs.items())), tuple(options.items()))
-                if key in seen:  # the FAST and EXACT_FLAGGED launches differ by MODE only
+                if key in seen:  # the backward launches the forward's terms kernels again
                     continue
                 seen.add(key)
                 print(json.dumps({"kernel": fn.__name__, **options, **constexprs,
-                                  **resources(fn, signature, constexprs, options)}), flush=True)
+                                  **resources(fn, signature, constexprs, attrs, options)}),
+                      flush=True)
     return 0
 
 
