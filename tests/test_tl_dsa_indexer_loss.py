@@ -25,8 +25,9 @@ tilelang = pytest.importorskip("tilelang")
 from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import dsa_indexer_loss as kl  # noqa: E402
 from csrc_tl.launch_check import launch_checker  # noqa: E402
-from test_tl_dsa_sparse_mla import causal_indices  # noqa: E402
+from test_tl_dsa_sparse_mla import causal_indices, dtype_id, meta  # noqa: E402
 from torch_dplr.dsa.ops import loss as op  # noqa: E402
+from torch_dplr.dsa.testing import forbid_pytorch_kernels  # noqa: E402
 
 try:  # the compile test's empty-cache fixture; importing it skips without nvcc
     from test_tl_compile import cold_cache  # noqa: F401, E402  (a fixture)
@@ -36,7 +37,6 @@ except pytest.skip.Exception:
 
 BF16, FP16 = torch.bfloat16, torch.float16
 FACTORY = kl.dsa_indexer_loss_kernel
-dtype_id = lambda d: str(d).removeprefix("torch.")  # noqa: E731
 
 
 def make_inputs(T, H, D_qk, k, dtype, *, cu=(0,), T_kv=None, seed=0, device="cpu"):
@@ -196,10 +196,6 @@ def cuda_body(monkeypatch):
     return asked
 
 
-def meta(*shape, dtype=BF16):
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
 @pytest.mark.parametrize("scores_dtype", [torch.float32, BF16], ids=dtype_id)
 @pytest.mark.parametrize("D_qk,H", [(576, 128), (576, 20), (192, 128), (64, 3)])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=dtype_id)
@@ -265,6 +261,14 @@ def test_cuda_body_falls_back_to_the_pytorch_kernel(cuda_body, case):
     assert cuda_body == []
 
 
+def test_forbid_pytorch_kernels_catches_a_loss_fallback():
+    """The GPU tests' proof that a call ran the kernel covers this op too."""
+    scores, q, kv, idx, lse = make_inputs(10, 4, 64, 5, torch.float32)
+    with forbid_pytorch_kernels(), pytest.raises(AssertionError, match="TileLang"):
+        op.indexer_loss_fwd_cuda(scores, q, kv, idx, lse, 0.1, 1.0, "sum")
+    op.indexer_loss_fwd_cuda(scores, q, kv, idx, lse, 0.1, 1.0, "sum")  # restored on exit
+
+
 def test_cuda_body_checks_the_reduction_first(cuda_body):
     scores, q, kv, idx, lse = make_inputs(10, 4, 64, 5, BF16)
     with pytest.raises(ValueError, match="reduction"):
@@ -313,14 +317,9 @@ def opted_in(monkeypatch):
 
 
 def kernel_call(*args):
-    """``torch.ops.dsa.indexer_loss_fwd`` with the PyTorch kernel made to fail: proof that the
+    """``torch.ops.dsa.indexer_loss_fwd`` with the PyTorch kernels made to fail: proof that the
     call ran the TileLang kernel."""
-    from unittest import mock
-
-    def fail(*_args, **_kwargs):
-        raise AssertionError("indexer_loss_fwd ran its PyTorch kernel")
-
-    with mock.patch.object(op, "indexer_loss_fwd_reference", fail):
+    with forbid_pytorch_kernels():
         return torch.ops.dsa.indexer_loss_fwd(*args)
 
 

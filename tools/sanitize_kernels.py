@@ -25,7 +25,6 @@ PyTorch kernel.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
@@ -102,26 +101,6 @@ INDEXER_CASES = ((64, 128, "bfloat16"), (64, 128, "float16"), (32, 64, "bfloat16
                  (32, 64, "float16"))
 
 
-@contextlib.contextmanager
-def indexer_kernels_only():
-    """The indexer ops' TileLang kernels switched on, their PyTorch kernels failing if run."""
-    from unittest import mock
-
-    from benchmarks.envvars import scoped_env
-    from torch_dplr.dsa.ops import indexer, topk
-
-    def fail(*args, **kwargs):
-        raise AssertionError("a DSA indexer op ran its PyTorch kernel")
-
-    with contextlib.ExitStack() as stack:
-        for switch in (indexer.INDEXER_KERNEL_SWITCH, topk.TOPK_KERNEL_SWITCH):
-            stack.enter_context(scoped_env(switch, "1"))
-        for module, name in ((indexer, "indexer_fwd_reference"),
-                             (indexer, "indexer_bwd_reference"), (topk, "indexer_topk_reference")):
-            stack.enter_context(mock.patch.object(module, name, fail))
-        yield
-
-
 def run_indexer(H, D, dtype_name):
     """Top-k selection, then the index scores forward and backward, at T 300 in four packed
     sequences (an empty one, one token, a padding tail of 20 rows), k 100."""
@@ -138,22 +117,6 @@ def run_indexer(H, D, dtype_name):
     scores.masked_fill(~scores.isfinite(), 0.0).sum().backward()  # empty slots: -inf
     torch.cuda.synchronize()
     assert all(torch.isfinite(x).all() for x in (q.grad, key.grad, w.grad))
-
-
-@contextlib.contextmanager
-def loss_kernel_only():
-    """The KL loss forward's TileLang kernel opted in, its PyTorch kernel failing if run."""
-    from unittest import mock
-
-    from benchmarks.envvars import scoped_env
-    from torch_dplr.dsa.ops import loss
-
-    def fail(*args, **kwargs):
-        raise AssertionError("indexer_loss_fwd ran its PyTorch kernel")
-
-    with scoped_env(loss.LOSS_KERNEL_SWITCH, "1"), \
-            mock.patch.object(loss, "indexer_loss_fwd_reference", fail):
-        yield
 
 
 def run_loss(config):
@@ -203,15 +166,17 @@ def main(argv=None) -> int:
     if not families or "dplr" in families:
         run_dplr()
     if not families or "dsa" in families:
-        with forbid_pytorch_kernels():  # the backward's variants are the forward's
-            for config in dsa_sparse_mla_fwd.variants():
+        from benchmarks.envvars import scoped_env
+        from torch_dplr.dsa.ops import loss
+
+        # every DSA op on its TileLang kernel (the loss's opted in), a fallback raising
+        with forbid_pytorch_kernels(), scoped_env(loss.LOSS_KERNEL_SWITCH, "1"):
+            for config in dsa_sparse_mla_fwd.variants():  # the backward's are the forward's
                 run_dsa(config)
                 print(f"ran DSA sparse MLA fwd + bwd {config}", flush=True)
-        with indexer_kernels_only():
             for case in INDEXER_CASES:
                 run_indexer(*case)
                 print(f"ran DSA indexer top-k + scores fwd + bwd {case}", flush=True)
-        with loss_kernel_only():
             for config in dsa_indexer_loss.variants():
                 run_loss(config)
                 print(f"ran DSA KL loss fwd {config}", flush=True)

@@ -231,26 +231,28 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-#: The PyTorch kernels that a DSA op with a TileLang kernel falls back to on CUDA.
-PYTORCH_KERNELS = ("sparse_mla_fwd_reference", "sparse_mla_bwd_reference")
+#: The PyTorch kernels that the DSA ops with a TileLang kernel fall back to on CUDA:
+#: (module of ``torch_dplr.dsa.ops``, function), a global its op's CUDA function calls.
+PYTORCH_KERNELS = (("sparse_mla", "sparse_mla_fwd_reference"),
+                   ("sparse_mla", "sparse_mla_bwd_reference"),
+                   ("topk", "indexer_topk_reference"), ("indexer", "indexer_fwd_reference"),
+                   ("indexer", "indexer_bwd_reference"), ("loss", "indexer_loss_fwd_reference"))
 
 
 @contextlib.contextmanager
 def forbid_pytorch_kernels():
     """Inside, a DSA op whose CUDA function would fall back to its PyTorch kernel raises
     instead: proof that a call ran its TileLang kernel (GPU tests, the sanitizer driver)."""
-    from .ops import sparse_mla
+    import importlib
+    from unittest import mock
 
     def failing(name):
         def fail(*args, **kwargs):
             raise AssertionError(f"{name} ran: the TileLang kernel was not used")
         return fail
 
-    saved = {name: getattr(sparse_mla, name) for name in PYTORCH_KERNELS}
-    try:
-        for name in PYTORCH_KERNELS:
-            setattr(sparse_mla, name, failing(name))
+    with contextlib.ExitStack() as stack:
+        for module, name in PYTORCH_KERNELS:
+            ops_module = importlib.import_module(f"{__package__}.ops.{module}")
+            stack.enter_context(mock.patch.object(ops_module, name, failing(name)))
         yield
-    finally:
-        for name, original in saved.items():
-            setattr(sparse_mla, name, original)
