@@ -20,9 +20,9 @@ the composed cells select their own.
 
 Implementations per cell (columns ``<impl>_ms``, ``_tflops``, ``_peak_mb``, ...):
 
-- ``torch_dplr``: the ops as dispatched, with the opt-in kernels switched on
-  (:data:`OPT_IN_SWITCHES`, unless set otherwise; every switch is recorded with the run);
-  ``torch_dplr_kernels`` says per op whether its TileLang kernel or its PyTorch kernel ran
+- ``torch_dplr``: the ops as dispatched (every kernel switch is recorded with the run);
+  ``torch_dplr_kernels`` says per op whether its GPU kernel (``tilelang``, or ``triton`` for
+  the KL loss's backward) or its PyTorch kernel ran
   (:class:`KernelProbe`).
 - ``pytorch``: the same calls under ``TORCH_DPLR_DISABLE_TILELANG=1``, i.e. every op's
   plain-PyTorch kernel (the reference).  A call slower than ``--ref-cap-s`` is timed once on
@@ -60,7 +60,6 @@ it is appended).  Without a GPU every shape is shrunk (a smoke test: the times m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -84,12 +83,9 @@ MLA_HEADS = (128, 64, 16)
 INDEXER_TOKENS = 8192
 LOSS_COEFF = 0.01
 MODES = ("fwd", "bwd", "fwd_bwd")
-#: The dsa kernels' switches, recorded with a run: opt-outs ("0": that op runs its PyTorch
-#: kernel) and the opt-ins of :data:`OPT_IN_SWITCHES`.
+#: The dsa kernels' switches, recorded with a run ("0": that op runs its PyTorch kernel).
 KERNEL_SWITCHES = ("TORCH_DPLR_DSA_TILELANG_BWD", "TORCH_DPLR_DSA_TILELANG_TOPK",
                    "TORCH_DPLR_DSA_TILELANG_INDEXER", "TORCH_DPLR_DSA_TILELANG_LOSS")
-#: Kernels still opt-in ("1"), switched on in the benchmark process unless set otherwise.
-OPT_IN_SWITCHES = ("TORCH_DPLR_DSA_TILELANG_LOSS",)
 PYTORCH_ONLY = "TORCH_DPLR_DISABLE_TILELANG"
 IMPLS = ("torch_dplr", "pytorch", dsa_peers.PREFIX)
 # Every record carries these keys, null when not measured.
@@ -305,6 +301,10 @@ def has_cuda_kernel(op: str) -> bool:
     return "cuda" in _opdef(op)._backend_fns
 
 
+#: The ops whose CUDA function runs a Triton kernel (the others: TileLang).
+GPU_KERNEL_KIND = {"indexer_loss_bwd": "triton"}
+
+
 class KernelProbe:
     """Which kernel each ``dsa`` op ran.  An op's CUDA function falls back by calling the
     PyTorch kernel the op was defined from, a global of its module (the one
@@ -335,7 +335,8 @@ class KernelProbe:
         self._saved.clear()
 
     def kernels(self, device_type: str) -> dict:
-        return {op: "tilelang" if device_type == "cuda" and has_cuda_kernel(op) and not self.calls[op]
+        return {op: GPU_KERNEL_KIND.get(op, "tilelang")
+                if device_type == "cuda" and has_cuda_kernel(op) and not self.calls[op]
                 else "pytorch" for op in self.ops}
 
 
@@ -497,17 +498,33 @@ SECTIONS = (("sparse_mla", "Sparse MLA"), ("indexer_topk", "Indexer top-k"),
             ("dsa_attention", "dsa_attention (indexer, top-k, sparse MLA, loss), forward+backward"))
 
 
+def _switches(record) -> str:
+    return ", ".join(f"`{k}={v}`" for k, v in (record.get("switches") or {}).items()
+                     if v is not None) or "no kernel switch set"
+
+
+def _per_value(records, value) -> str:
+    """``value(record)`` when the records agree on it, else each value with its ops."""
+    ops: dict[str, list] = {}
+    for r in records:
+        ops.setdefault(value(r), []).append(r.get("op"))
+    if len(ops) == 1:
+        return next(iter(ops))
+    return "; ".join(f"{v} ({', '.join(dict.fromkeys(o))})" for v, o in ops.items())
+
+
 def _preamble(records) -> list[str]:
     meta = next((r for r in records if r.get("device")), {})
     cuda = meta.get("device", "cpu") != "cpu"
-    switches = ", ".join(f"`{k}={v}`" for k, v in (meta.get("switches") or {}).items()
-                         if v is not None) or "no kernel switch set"
+    measured = [r for r in records if r.get("device")] or [meta]
+    switches = _per_value(measured, _switches)
+    git = _per_value(measured, lambda r: r.get("git") or "?")
     clock = ("CUDA events, L2 flushed between reps" if cuda
              else "host clock (CPU smoke test at tiny sizes: the times mean nothing)")
     return [f"# DSA ops: torch_dplr vs its PyTorch kernels and TileLang's examples on "
             f"{meta.get('device', '?')}", "",
             f"torch {meta.get('torch', '?')}, torch_dplr {meta.get('torch_dplr', '?')} "
-            f"(git {meta.get('git') or '?'}), TileLang {meta.get('tilelang') or '?'}, "
+            f"(git {git}), TileLang {meta.get('tilelang') or '?'}, "
             f"examples/deepseek_v32 at {meta.get('tilelang_examples') or '(not run)'}; {switches}. "
             f"bf16 inputs, one packed sequence. Times: median over reps, {clock}; `*`: a PyTorch "
             "call over the cap, timed once. TFLOPS: matrix products over all T·k slots, the same "
@@ -622,11 +639,7 @@ def main(argv=None) -> int:
     if device.type != "cuda":
         print("no GPU: every shape is shrunk to a tiny size (a smoke test; the times mean nothing)",
               file=sys.stderr)
-    with contextlib.ExitStack() as switches:  # on while the cells run, as before after
-        for name in OPT_IN_SWITCHES:
-            if name not in os.environ:
-                switches.enter_context(scoped_env(name, "1"))
-        return _run(args, device, selected, path)
+    return _run(args, device, selected, path)
 
 
 def _run(args, device, selected, path) -> int:

@@ -144,10 +144,9 @@ def test_smoke_run_on_cpu_and_resume(tmp_path, capsys, monkeypatch):
         assert set(r["torch_dplr_kernels"].values()) == {"pytorch"}  # no GPU
         assert r["tilelang_example_ms"] is None and r["ratio_tilelang_example"] is None
         assert r["tilelang_example_skipped"] == "TileLang's example kernels need CUDA"
-        # the opt-in kernels switched on for the run, nothing else set
-        assert r["device"] == "cpu" and r["switches"] == {
-            **dict.fromkeys((*dsa.KERNEL_SWITCHES, dsa.PYTORCH_ONLY)),
-            **dict.fromkeys(dsa.OPT_IN_SWITCHES, "1")}
+        # no switch set
+        assert r["device"] == "cpu" and r["switches"] == dict.fromkeys(
+            (*dsa.KERNEL_SWITCHES, dsa.PYTORCH_ONLY))
         assert r["dtype"] == "bf16"
     assert records[0]["valid_fraction"] == round(dsa.valid_slots(128, 64) / (128 * 64), 4)
     assert records[2]["valid_fraction"] is None
@@ -363,3 +362,17 @@ def test_cells_the_examples_refuse():
     assert "GB" in dsa_peers.refusal(dsa.Cell("indexer_topk", "fwd", 131072))
     for op in dsa_peers.NO_KERNEL:
         assert dsa_peers.refusal(dsa.Cell(op, "fwd_bwd", 64)) == dsa_peers.NO_KERNEL[op]
+
+
+def test_preamble_names_each_commit_and_switch_set():
+    """Records of two runs (other commits, other switches): the preamble names each with its
+    ops; records of one run name it once."""
+    mla = _synthetic(dsa.Cell("sparse_mla", "fwd", 8192), torch_dplr_ms=20.0, git="aaaaaaa",
+                     switches={"TORCH_DPLR_DSA_TILELANG_BWD": None})
+    loss = _synthetic(dsa.Cell("indexer_loss", "fwd", 8192), torch_dplr_ms=7.0, git="bbbbbbb",
+                      switches={"TORCH_DPLR_DSA_TILELANG_LOSS": "0"})
+    head = dsa.markdown([mla, loss]).splitlines()[2]
+    assert "git aaaaaaa (sparse_mla); bbbbbbb (indexer_loss)" in head
+    assert "no kernel switch set (sparse_mla); `TORCH_DPLR_DSA_TILELANG_LOSS=0` (indexer_loss)" in head
+    head = dsa.markdown([mla]).splitlines()[2]
+    assert "(git aaaaaaa)" in head and "; no kernel switch set." in head

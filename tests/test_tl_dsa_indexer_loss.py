@@ -5,7 +5,7 @@ CUDA function.
   row by row (:func:`kernel_model`) against the op's PyTorch kernel (in-range indices, -1 tails,
   rows without a valid slot, -inf scores); the CUDA function run on meta / CPU tensors with the
   kernel replaced by a check of its arguments against the traced kernel (which calls take it,
-  that the decision and the launch read no tensor value, the opt-in, the fallbacks) and, on CPU
+  that the decision and the launch read no tensor value, the switch, the fallbacks) and, on CPU
   tensors, by the model, so the op's own reduction of the rows is checked end to end.
 * nvcc, no GPU: every variant compiled for sm_90a into an empty TileLang cache.
 * GPU (marker ``cuda``): the kernel against the PyTorch kernel at every variant's dims, packed
@@ -169,10 +169,10 @@ def test_model_treats_slots_past_kv_as_empty():
 
 @pytest.fixture
 def cuda_body(monkeypatch):
-    """The op's CUDA function made runnable on any tensors, as on an sm_90 GPU with the opt-in
-    set: the kernel is a stand-in that checks the launch's arguments against the traced kernel
-    and that q and kv are 16-byte aligned; on CPU tensors it then writes the model's outputs.
-    Yields the configs asked for."""
+    """The op's CUDA function made runnable on any tensors, as on an sm_90 GPU: the kernel is
+    a stand-in that checks the launch's arguments against the traced kernel and that q and kv
+    are 16-byte aligned; on CPU tensors it then writes the model's outputs.  Yields the configs
+    asked for."""
     asked = []
 
     def checking_kernel_for(family, config):
@@ -192,7 +192,7 @@ def cuda_body(monkeypatch):
 
     monkeypatch.setattr(op, "tilelang_usable", lambda device: True)
     monkeypatch.setattr(op, "kernel_for", checking_kernel_for)
-    monkeypatch.setenv(op.LOSS_KERNEL_SWITCH, "1")
+    monkeypatch.delenv(op.LOSS_KERNEL_SWITCH, raising=False)
     return asked
 
 
@@ -226,8 +226,8 @@ def test_cuda_body_reduces_the_rows(cuda_body, reduction):
     assert cuda_body == [kl.config_for(64, 20, BF16)]
 
 
-def test_cuda_body_keeps_the_pytorch_kernel_without_the_opt_in(cuda_body, monkeypatch):
-    monkeypatch.delenv(op.LOSS_KERNEL_SWITCH)
+def test_cuda_body_keeps_the_pytorch_kernel_when_switched_off(cuda_body, monkeypatch):
+    monkeypatch.setenv(op.LOSS_KERNEL_SWITCH, "0")
     scores, q, kv, idx, lse = make_inputs(30, 4, 64, 10, BF16)
     got = op.indexer_loss_fwd_cuda(scores, q, kv, idx, lse, 0.1, 1.0, "mean")
     want = op.indexer_loss_fwd_reference(scores, q, kv, idx, lse, 0.1, 1.0, "mean")
@@ -264,7 +264,7 @@ def test_cuda_body_falls_back_to_the_pytorch_kernel(cuda_body, case):
 def test_forbid_pytorch_kernels_catches_a_loss_fallback():
     """The GPU tests' proof that a call ran the kernel covers this op too."""
     scores, q, kv, idx, lse = make_inputs(10, 4, 64, 5, torch.float32)
-    with forbid_pytorch_kernels(), pytest.raises(AssertionError, match="TileLang"):
+    with forbid_pytorch_kernels(), pytest.raises(AssertionError, match="GPU kernel was not used"):
         op.indexer_loss_fwd_cuda(scores, q, kv, idx, lse, 0.1, 1.0, "sum")
     op.indexer_loss_fwd_cuda(scores, q, kv, idx, lse, 0.1, 1.0, "sum")  # restored on exit
 
@@ -311,8 +311,8 @@ def gpu_kernels():
 
 
 @pytest.fixture
-def opted_in(monkeypatch):
-    monkeypatch.setenv(op.LOSS_KERNEL_SWITCH, "1")
+def kernels_on(monkeypatch):
+    monkeypatch.delenv(op.LOSS_KERNEL_SWITCH, raising=False)
     monkeypatch.delenv("TORCH_DPLR_DISABLE_TILELANG", raising=False)
 
 
@@ -327,7 +327,7 @@ def kernel_call(*args):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("D_qk,H", [(576, 128), (576, 64), (576, 20), (192, 128), (64, 16)])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=dtype_id)
-def test_kernel_matches_the_pytorch_kernel(gpu_kernels, opted_in, D_qk, H, dtype, reduction):
+def test_kernel_matches_the_pytorch_kernel(gpu_kernels, kernels_on, D_qk, H, dtype, reduction):
     """Packed sequences (a one-token one, padding rows), k = 200 (blocks of 64 or 128 slots,
     the last partial): target and loss against the PyTorch kernel on the same inputs."""
     scale = D_qk ** -0.5
@@ -342,7 +342,7 @@ def test_kernel_matches_the_pytorch_kernel(gpu_kernels, opted_in, D_qk, H, dtype
 
 
 @pytest.mark.cuda
-def test_slots_past_kv_and_infinite_scores_follow_the_model(gpu_kernels, opted_in):
+def test_slots_past_kv_and_infinite_scores_follow_the_model(gpu_kernels, kernels_on):
     """An index at or past T_kv is an empty slot, whatever its score (the score kernel writes
     -inf there); a -inf score at a valid slot makes its row's KL +inf (the PyTorch kernel's
     answer), never NaN."""
@@ -361,7 +361,7 @@ def test_slots_past_kv_and_infinite_scores_follow_the_model(gpu_kernels, opted_i
 
 
 @pytest.mark.cuda
-def test_rows_longer_than_one_scan_pass(gpu_kernels, opted_in):
+def test_rows_longer_than_one_scan_pass(gpu_kernels, kernels_on):
     """k = 2100: the scan and the tail take two strided passes (2048 slots each); two runs give
     the same bits (no atomics, fixed summation order)."""
     scores, q, kv, idx, lse = make_inputs(2200, 16, 64, 2100, BF16, device="cuda")
@@ -375,7 +375,7 @@ def test_rows_longer_than_one_scan_pass(gpu_kernels, opted_in):
 
 
 @pytest.mark.cuda
-def test_graph_replay(gpu_kernels, opted_in):
+def test_graph_replay(gpu_kernels, kernels_on):
     scores, q, kv, idx, lse = make_inputs(100, 64, 576, 64, BF16, device="cuda")
     args = (scores, q, kv, idx, lse, 576 ** -0.5, 0.1, "mean")
     want = op.indexer_loss_fwd_reference(*args)

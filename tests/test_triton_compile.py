@@ -17,8 +17,8 @@ def variants():
     """(kernel, pointer dtypes, constexprs): the sweep's three schemes at chunks 16 and 64,
     forward (also in value blocks) and backward, the split forward's terms (16-row tiles and
     64-row chunks) and state walk (16- and 64-row steps) and the split backward's walk and chunk
-    kernel, and the per-token kernel (functional, pool-indexed, and
-    flagged)."""
+    kernel, the per-token kernel (functional, pool-indexed, and flagged), and the DSA KL loss's
+    backward (fp32 and bf16 scores, the block sizes of k 200 and 2048)."""
     p, f = "*bf16", "*fp32"
     fwd = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h0=f, cu_seqlens="*i32", chunk_offsets="*i32",
                o=p, ht=f, h_out=f, flags="*i32", scale="fp32", H="i32")
@@ -69,6 +69,9 @@ def variants():
     for indexed, flagged in ((False, False), (True, False), (False, True)):
         yield "recurrent", rec, dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=indexed,
                                      REVERSE=False, FLAGGED=flagged)
+    for scores, block in ((f, 256), (p, 1024)):
+        yield "dsa_loss_bwd", dict(scores=scores, target=f, indices="*i32", factor=f,
+                                   dscores=scores, k="i32"), dict(BLOCK=block)
 
 
 def compile_all():
@@ -85,7 +88,8 @@ def compile_all():
                "chunk_terms": ("csrc_triton.chunk_terms", "chunk_terms_kernel", 4),
                "state_sweep": ("csrc_triton.state_sweep", "state_sweep_kernel", 4),
                "grad_walk": ("csrc_triton.chunk_grads", "grad_walk_kernel", 4),
-               "chunk_grads": ("csrc_triton.chunk_grads", "chunk_grads_kernel", 4)}
+               "chunk_grads": ("csrc_triton.chunk_grads", "chunk_grads_kernel", 4),
+               "dsa_loss_bwd": ("csrc_triton.dsa_loss_bwd", "kl_loss_bwd_kernel", 4)}
     for name, pointers, constexprs in variants():
         module, attr, warps = kernels[name]
         fn = getattr(importlib.import_module(module), attr)

@@ -19,9 +19,9 @@ than q; then every variant of the DSA indexer kernels (``csrc_tl.dsa_indexer_top
 ``dsa_indexer_fwd`` / ``_bwd``: each (H_idx, D_idx) x dtype) through ``dsa::indexer_topk`` and
 ``dsa::indexer_fwd``'s autograd, packed sequences with an empty one, a short one and a padding
 tail, top-k rows with -1 tails and out-of-range slots; then every variant of the KL loss
-forward (``csrc_tl.dsa_indexer_loss``, opted in) through ``dsa::indexer_loss_fwd``, with a
-padded head, slots past kv and padding rows; fails if any stage or DSA op fell back to its
-PyTorch kernel.
+forward (``csrc_tl.dsa_indexer_loss``) and its Triton backward through
+``dsa::indexer_loss_fwd``'s autograd, with a padded head, slots past kv and padding rows;
+fails if any stage or DSA op fell back to its PyTorch kernel.
 """
 from __future__ import annotations
 
@@ -120,10 +120,11 @@ def run_indexer(H, D, dtype_name):
 
 
 def run_loss(config):
-    """The KL loss forward at one variant (``csrc_tl.dsa_indexer_loss.variants()``), through its
-    op: T 200, k 150 random keys of a kv of 180 rows (blocks of 64 or 128 slots, the last
-    partial), -1 tails, slots past T_kv, 10 padding rows without a slot, H one below the CTA's
-    heads (a padded head)."""
+    """The KL loss forward at one variant (``csrc_tl.dsa_indexer_loss.variants()``) and its
+    backward (the Triton kernel ``csrc_triton.dsa_loss_bwd``), through the op's autograd: T 200,
+    k 150 random keys of a kv of 180 rows (blocks of 64 or 128 slots, the last partial), -1
+    tails, slots past T_kv, 10 padding rows without a slot, H one below the CTA's heads (a
+    padded head)."""
     D_qk, heads, dtype = config["D_qk"], config["heads"], getattr(torch, config["dtype"])
     T, T_kv, k, H = 200, 180, 150, config["heads"] - 1
     assert dsa_indexer_loss.config_for(D_qk, H, dtype) == config
@@ -134,12 +135,14 @@ def run_loss(config):
     indices[:, k - 20:] = -1
     indices[::7, 3] = T_kv + 3  # past kv: p = 0, never gathered
     indices[190:] = -1  # padding rows: no valid slot
-    scores = torch.randn(T, k, generator=gen).cuda()
+    scores = torch.randn(T, k, generator=gen).cuda().requires_grad_()
     lse = torch.randn(T, H, generator=gen).cuda() + 8
     loss, target = torch.ops.dsa.indexer_loss_fwd(scores, q, kv, indices, lse, D_qk ** -0.5,
                                                   0.1, "mean")
+    loss.backward()
     torch.cuda.synchronize()
     assert torch.isfinite(loss) and torch.isfinite(target).all()
+    assert torch.isfinite(scores.grad).all()
 
 
 def run_dplr():
@@ -166,11 +169,8 @@ def main(argv=None) -> int:
     if not families or "dplr" in families:
         run_dplr()
     if not families or "dsa" in families:
-        from benchmarks.envvars import scoped_env
-        from torch_dplr.dsa.ops import loss
-
-        # every DSA op on its TileLang kernel (the loss's opted in), a fallback raising
-        with forbid_pytorch_kernels(), scoped_env(loss.LOSS_KERNEL_SWITCH, "1"):
+        # every DSA op on its TileLang kernel, a fallback raising
+        with forbid_pytorch_kernels():
             for config in dsa_sparse_mla_fwd.variants():  # the backward's are the forward's
                 run_dsa(config)
                 print(f"ran DSA sparse MLA fwd + bwd {config}", flush=True)

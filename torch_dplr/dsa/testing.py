@@ -231,24 +231,26 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-#: The PyTorch kernels that the DSA ops with a TileLang kernel fall back to on CUDA:
+#: The PyTorch kernels that the DSA ops with a GPU kernel (TileLang; Triton for the KL loss's
+#: backward) fall back to on CUDA:
 #: (module of ``torch_dplr.dsa.ops``, function), a global its op's CUDA function calls.
 PYTORCH_KERNELS = (("sparse_mla", "sparse_mla_fwd_reference"),
                    ("sparse_mla", "sparse_mla_bwd_reference"),
                    ("topk", "indexer_topk_reference"), ("indexer", "indexer_fwd_reference"),
-                   ("indexer", "indexer_bwd_reference"), ("loss", "indexer_loss_fwd_reference"))
+                   ("indexer", "indexer_bwd_reference"), ("loss", "indexer_loss_fwd_reference"),
+                   ("loss", "indexer_loss_bwd_reference"))
 
 
 @contextlib.contextmanager
 def forbid_pytorch_kernels():
     """Inside, a DSA op whose CUDA function would fall back to its PyTorch kernel raises
-    instead: proof that a call ran its TileLang kernel (GPU tests, the sanitizer driver)."""
+    instead: proof that a call ran its GPU kernel (GPU tests, the sanitizer driver)."""
     import importlib
     from unittest import mock
 
     def failing(name):
         def fail(*args, **kwargs):
-            raise AssertionError(f"{name} ran: the TileLang kernel was not used")
+            raise AssertionError(f"{name} ran: the GPU kernel was not used")
         return fail
 
     with contextlib.ExitStack() as stack:

@@ -20,25 +20,27 @@ the rows): q and kv bf16 or fp16 of one dtype, fp32 ``lse``, scores in fp32 (bf1
 read as fp32), int32 indices, ``(D_qk, H)`` with a variant
 (``csrc_tl.dsa_indexer_loss.config_for``), an sm_90 GPU.  There an index at or past ``T_kv``
 is not rejected (that would read the indices on the host) but counts as an empty slot, as in
-the other DSA kernels.  It is opt-in (:data:`LOSS_KERNEL_SWITCH` set to 1) until
-its GPU tests (tests/test_tl_dsa_indexer_loss.py -m cuda) pass on main.  The backward is
-elementwise (``softmax(scores) - p``) and runs its PyTorch kernel everywhere.
+the other DSA kernels.  The backward runs the Triton kernel ``csrc_triton.dsa_loss_bwd``
+(``softmax(scores) - p`` row by row, writing nothing but ``dscores``) for scores in fp32, bf16
+or fp16, an fp32 target and int32 indices, on a GPU where Triton runs; it takes an index at or
+past ``T_kv`` as a valid slot whose score is -inf (what ``dsa::indexer_fwd`` writes there), so
+its gradient is 0.  ``TORCH_DPLR_DSA_TILELANG_LOSS=0`` (:data:`LOSS_KERNEL_SWITCH`) keeps both
+on their PyTorch kernels.
 """
-import os
-
 from torch import Tensor
 import torch
 
 from ...ops.chunked import without_autocast
 from ...ops.tilelang_path import KERNEL_DTYPES, tilelang_usable
+from ...ops.triton_path import triton_usable
 from ..reference import loss as ref
 from ..reference.layout import check_index_range
 from ..reference.sparse_mla import block_rows as attention_block_rows
 from .kernels import aligned as _aligned
-from .kernels import kernel_for
+from .kernels import kernel_for, switched_off
 from .shapes import acc_dtype, allocate, indexer_loss_bwd_shapes, indexer_loss_fwd_shapes
 
-#: Environment variable that lets ``indexer_loss_fwd`` run its TileLang kernel ("1").
+#: Environment variable that keeps the KL loss ops on their PyTorch kernels ("0").
 LOSS_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_LOSS"
 
 
@@ -71,11 +73,11 @@ def _(scores, q, kv, indices, lse, scale, coeff, reduction):
 
 
 def _tilelang_kernel(scores: Tensor, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor):
-    """The TileLang kernel of this call, or None (the PyTorch kernel runs): opted in, q and kv
-    bf16 or fp16 of one dtype, scores bf16 / fp16 / fp32, fp32 lse, int32 indices, at least one
-    token and slot, a variant for ``(D_qk, H)``, an sm_90 GPU.  Shapes, dtypes and the device
-    only: no tensor value is read."""
-    applies = (os.environ.get(LOSS_KERNEL_SWITCH) == "1" and q.dtype in KERNEL_DTYPES
+    """The TileLang kernel of this call, or None (the PyTorch kernel runs): not switched off, q
+    and kv bf16 or fp16 of one dtype, scores bf16 / fp16 / fp32, fp32 lse, int32 indices, at
+    least one token and slot, a variant for ``(D_qk, H)``, an sm_90 GPU.  Shapes, dtypes and
+    the device only: no tensor value is read."""
+    applies = (not switched_off(LOSS_KERNEL_SWITCH) and q.dtype in KERNEL_DTYPES
                and kv.dtype == q.dtype and scores.dtype in (*KERNEL_DTYPES, torch.float32)
                and lse.dtype == torch.float32 and indices.dtype == torch.int32
                and q.shape[0] and indices.shape[1] and tilelang_usable(q.device))
@@ -124,6 +126,35 @@ indexer_loss_bwd = torch.library.custom_op("dsa::indexer_loss_bwd", mutates_args
 @indexer_loss_bwd.register_fake
 def _(scores, target, indices, dloss, coeff, reduction):
     return allocate(indexer_loss_bwd_shapes(scores), scores.device)[0]
+
+
+def _triton_backward_applies(scores: Tensor, target: Tensor, indices: Tensor) -> bool:
+    """``csrc_triton.dsa_loss_bwd`` runs the call: not switched off, scores fp32 / bf16 /
+    fp16, an fp32 target and int32 indices of the scores' shape, Triton usable on the device.
+    Shapes, dtypes and the device only."""
+    return (not switched_off(LOSS_KERNEL_SWITCH)
+            and scores.dtype in (*KERNEL_DTYPES, torch.float32)
+            and target.dtype == torch.float32 and indices.dtype == torch.int32
+            and scores.shape == target.shape == indices.shape
+            and triton_usable(scores.device))
+
+
+@indexer_loss_bwd.register_kernel("cuda")
+@without_autocast
+def indexer_loss_bwd_cuda(scores, target, indices, dloss, coeff, reduction):
+    _check_reduction(reduction)
+    if not _triton_backward_applies(scores, target, indices):
+        return indexer_loss_bwd_reference(scores, target, indices, dloss, coeff, reduction)
+    from csrc_triton import dsa_loss_bwd
+    (dscores,) = allocate(indexer_loss_bwd_shapes(scores), scores.device)
+    if scores.numel() == 0:
+        return dscores
+    factor = dloss.to(torch.float32) * float(coeff)
+    if reduction == "mean":  # over the rows with a valid slot, counted on the device
+        factor = factor / (indices.amax(dim=1) >= 0).sum().clamp(min=1)
+    dsa_loss_bwd.launch(scores.contiguous(), target.contiguous(), indices.contiguous(),
+                        factor.reshape(1), dscores)
+    return dscores
 
 
 def _setup_context(ctx, inputs, output):
