@@ -76,6 +76,5 @@ def launch(scores, target, indices, factor, dscores):
     T, k = scores.shape
     if T == 0 or k == 0:
         return
-    BLOCK = block_for(k)
-    kl_loss_bwd_kernel[(T,)](scores, target, indices, factor, dscores, k, BLOCK=BLOCK,
-                             num_warps=4 if BLOCK >= 512 else 2)
+    kl_loss_bwd_kernel[(T,)](scores, target, indices, factor, dscores, k, BLOCK=block_for(k),
+                             num_warps=4)

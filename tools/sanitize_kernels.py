@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                 print(f"ran DSA indexer top-k + scores fwd + bwd {case}", flush=True)
             for config in dsa_indexer_loss.variants():
                 run_loss(config)
-                print(f"ran DSA KL loss fwd {config}", flush=True)
+                print(f"ran DSA KL loss fwd + bwd {config}", flush=True)
     return 0
 
 
