@@ -19,8 +19,9 @@ KERNEL_MODULES = ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "st
 #: the DPLR dispatch and its compile test never build them (``every_variant(DSA_KERNEL_MODULES)``
 #: lists their variants; ``torch_dplr/dsa/ops`` runs them; ``python -m torch_dplr precompile``
 #: builds both lists unless told one family).
-DSA_KERNEL_MODULES = ("dsa_sparse_mla_fwd", "dsa_sparse_mla_bwd", "dsa_indexer_topk",
-                      "dsa_indexer_fwd", "dsa_indexer_bwd", "dsa_indexer_loss")
+DSA_KERNEL_MODULES = ("dsa_sparse_mla_fwd", "dsa_sparse_mla_fwd_ws", "dsa_sparse_mla_bwd",
+                      "dsa_indexer_topk", "dsa_indexer_fwd", "dsa_indexer_bwd",
+                      "dsa_indexer_loss")
 
 
 def every_variant(names=KERNEL_MODULES):

@@ -323,6 +323,9 @@ SOURCE_CHECKS = {  # family: what its kernel source must show, beyond what every
     # wgmma where a CTA's 64 heads fill a warpgroup's M, mma.sync below
     "dsa_sparse_mla_fwd": lambda src, c: ("wgmma_ss" in src) == (c["block_H"] == 64)
     != ("mma_sync" in src),
+    # three warpgroups: registers moved between them, the gather completing on mbarriers
+    "dsa_sparse_mla_fwd_ws": lambda src, c: "wgmma_ss" in src and "warpgroup_reg_alloc" in src
+    and "mbarrier_cp_async_arrive_noinc" in src,
     # products with an M of 64 are wgmma (the heads' at 64 heads per CTA, dkv's at 64 slots per
     # block), the others mma.sync; dkv added with 16-byte fp32 atomics
     "dsa_sparse_mla_bwd": lambda src, c: "wgmma_ss" in src and "AtomicAddx4" in src

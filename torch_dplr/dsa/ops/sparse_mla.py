@@ -24,6 +24,8 @@ kernel's docstring); :data:`BWD_KERNEL_SWITCH` set to 0 keeps the backward on it
 kernel.  Everything else runs the PyTorch kernel.
 """
 
+import os
+
 from torch import Tensor
 import torch
 
@@ -62,25 +64,51 @@ def _(q, kv, indices, scale, d_v):
     return allocate(sparse_mla_fwd_shapes(q, d_v), q.device)
 
 
-def _tilelang_kernel(family: str, q: Tensor, kv: Tensor, indices: Tensor, d_v: int):
-    """The TileLang kernel ``csrc_tl.<family>`` of this call, or None (the PyTorch kernel
-    runs): q and kv bf16 or fp16 of one dtype, int32 indices, at least one token, head, kv row
-    and slot, a variant built for its dims (``csrc_tl.dsa_sparse_mla_fwd.config_for``, which
-    the backward shares), an sm_90 GPU.  Shapes, dtypes and the device only: no tensor value
-    is read."""
+def _tilelang_config(q: Tensor, kv: Tensor, indices: Tensor, d_v: int) -> dict | None:
+    """The TileLang variant of this call (``csrc_tl.dsa_sparse_mla_fwd.config_for``, which the
+    backward shares), or None (the PyTorch kernel runs): q and kv bf16 or fp16 of one dtype,
+    int32 indices, at least one token, head, kv row and slot, a variant built for its dims, an
+    sm_90 GPU.  Shapes, dtypes and the device only: no tensor value is read."""
     if not (q.dtype in KERNEL_DTYPES and kv.dtype == q.dtype and indices.dtype == torch.int32
             and q.numel() and kv.numel() and indices.shape[1] and tilelang_usable(q.device)):
         return None
     from csrc_tl.dsa_sparse_mla_fwd import config_for  # TileLang is importable (checked above)
 
-    config = config_for(q.shape[2], d_v, q.shape[1], q.dtype)
+    return config_for(q.shape[2], d_v, q.shape[1], q.dtype)
+
+
+def _tilelang_kernel(family: str, q: Tensor, kv: Tensor, indices: Tensor, d_v: int):
+    """The TileLang kernel ``csrc_tl.<family>`` of this call, or None (see
+    :func:`_tilelang_config`)."""
+    config = _tilelang_config(q, kv, indices, d_v)
     return None if config is None else kernel_for(family, config)
+
+
+#: Environment variable that runs the forward's warp-specialized schedule
+#: (``csrc_tl.dsa_sparse_mla_fwd_ws``) where it applies: "1" opts in, while its GPU tests have
+#: not passed on main.
+FWD_WS_OPT_IN = "TORCH_DPLR_DSA_MLA_FWD_WS"
+
+
+def _forward_kernel(q: Tensor, kv: Tensor, indices: Tensor, d_v: int):
+    """The forward's kernel, or None: the warp-specialized schedule when opted in and the call
+    takes 64 heads per CTA at dims it builds, else the two-warpgroup one."""
+    config = _tilelang_config(q, kv, indices, d_v)
+    if config is None:
+        return None
+    if os.environ.get(FWD_WS_OPT_IN) == "1" and config["block_H"] == 64:
+        from csrc_tl import dsa_sparse_mla_fwd_ws as ws
+
+        if ws.supports(config["D_qk"], d_v):
+            return kernel_for("dsa_sparse_mla_fwd_ws",
+                              dict(D_qk=config["D_qk"], d_v=d_v, dtype=config["dtype"]))
+    return kernel_for("dsa_sparse_mla_fwd", config)
 
 
 @sparse_mla_fwd.register_kernel("cuda")
 @without_autocast
 def sparse_mla_fwd_cuda(q, kv, indices, scale, d_v):
-    kernel = _tilelang_kernel("dsa_sparse_mla_fwd", q, kv, indices, d_v)
+    kernel = _forward_kernel(q, kv, indices, d_v)
     if kernel is None:
         return sparse_mla_fwd_reference(q, kv, indices, scale, d_v)
     o, lse = allocate(sparse_mla_fwd_shapes(q, d_v), q.device)
