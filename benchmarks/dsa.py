@@ -20,8 +20,7 @@ the composed cells select their own.
 
 Implementations per cell (columns ``<impl>_ms``, ``_tflops``, ``_peak_mb``, ...):
 
-- ``torch_dplr``: the ops as dispatched, with the opt-in kernels switched on
-  (:data:`OPT_IN_SWITCHES`, unless set otherwise; every switch is recorded with the run);
+- ``torch_dplr``: the ops as dispatched (every kernel switch is recorded with the run);
   ``torch_dplr_kernels`` says per op whether its GPU kernel (``tilelang``, or ``triton`` for
   the KL loss's backward) or its PyTorch kernel ran
   (:class:`KernelProbe`).
@@ -61,7 +60,6 @@ it is appended).  Without a GPU every shape is shrunk (a smoke test: the times m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -85,13 +83,9 @@ MLA_HEADS = (128, 64, 16)
 INDEXER_TOKENS = 8192
 LOSS_COEFF = 0.01
 MODES = ("fwd", "bwd", "fwd_bwd")
-#: Kernels still opt-in ("1"), switched on in the benchmark process unless set otherwise.
-OPT_IN_SWITCHES = ("TORCH_DPLR_DSA_TRITON_LOSS_BWD",)
-#: The dsa kernels' switches, recorded with a run: opt-outs ("0": that op runs its PyTorch
-#: kernel) and the opt-ins.
+#: The dsa kernels' switches, recorded with a run ("0": that op runs its PyTorch kernel).
 KERNEL_SWITCHES = ("TORCH_DPLR_DSA_TILELANG_BWD", "TORCH_DPLR_DSA_TILELANG_TOPK",
-                   "TORCH_DPLR_DSA_TILELANG_INDEXER", "TORCH_DPLR_DSA_TILELANG_LOSS",
-                   *OPT_IN_SWITCHES)
+                   "TORCH_DPLR_DSA_TILELANG_INDEXER", "TORCH_DPLR_DSA_TILELANG_LOSS")
 PYTORCH_ONLY = "TORCH_DPLR_DISABLE_TILELANG"
 IMPLS = ("torch_dplr", "pytorch", dsa_peers.PREFIX)
 # Every record carries these keys, null when not measured.
@@ -645,11 +639,7 @@ def main(argv=None) -> int:
     if device.type != "cuda":
         print("no GPU: every shape is shrunk to a tiny size (a smoke test; the times mean nothing)",
               file=sys.stderr)
-    with contextlib.ExitStack() as switches:  # on while the cells run, as before after
-        for name in OPT_IN_SWITCHES:
-            if name not in os.environ:
-                switches.enter_context(scoped_env(name, "1"))
-        return _run(args, device, selected, path)
+    return _run(args, device, selected, path)
 
 
 def _run(args, device, selected, path) -> int:

@@ -144,10 +144,9 @@ def test_smoke_run_on_cpu_and_resume(tmp_path, capsys, monkeypatch):
         assert set(r["torch_dplr_kernels"].values()) == {"pytorch"}  # no GPU
         assert r["tilelang_example_ms"] is None and r["ratio_tilelang_example"] is None
         assert r["tilelang_example_skipped"] == "TileLang's example kernels need CUDA"
-        # the opt-in kernels switched on for the run, nothing else set
-        assert r["device"] == "cpu" and r["switches"] == {
-            **dict.fromkeys((*dsa.KERNEL_SWITCHES, dsa.PYTORCH_ONLY)),
-            **dict.fromkeys(dsa.OPT_IN_SWITCHES, "1")}
+        # no switch set
+        assert r["device"] == "cpu" and r["switches"] == dict.fromkeys(
+            (*dsa.KERNEL_SWITCHES, dsa.PYTORCH_ONLY))
         assert r["dtype"] == "bf16"
     assert records[0]["valid_fraction"] == round(dsa.valid_slots(128, 64) / (128 * 64), 4)
     assert records[2]["valid_fraction"] is None

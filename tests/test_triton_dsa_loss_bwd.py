@@ -4,8 +4,7 @@
 * Without a GPU (Triton's interpreter, ``TRITON_INTERPRET=1``, conftest.py): the CUDA function
   on CPU tensors against the op's PyTorch kernel (rows longer than one block, -1 tails, rows
   without a slot, fp32 / bf16 / fp16 scores, both reductions), non-finite scores, which calls
-  keep the PyTorch kernel (the kernel is opt-in, ``TORCH_DPLR_DSA_TRITON_LOSS_BWD=1``, set
-  for every test here).
+  keep the PyTorch kernel.
 * GPU (marker ``cuda``): the kernel at the benchmark's size against the PyTorch kernel, the
   backward of the op through autograd with every PyTorch kernel forbidden, a CUDA graph replay.
 """
@@ -23,12 +22,6 @@ from torch_dplr.dsa.ops import loss as op  # noqa: E402
 from torch_dplr.dsa.testing import forbid_pytorch_kernels  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
-
-@pytest.fixture(autouse=True)
-def opted_in(monkeypatch):
-    monkeypatch.setenv(op.LOSS_BWD_OPT_IN, "1")
-    monkeypatch.delenv(op.LOSS_KERNEL_SWITCH, raising=False)
-
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -103,13 +96,11 @@ def test_empty_calls():
 
 
 @interpreted
-@pytest.mark.parametrize("change", ["not opted in", "switched_off", "fp64 scores",
-                                    "int64 indices", "bf16 target"])
+@pytest.mark.parametrize("change", ["switched_off", "fp64 scores", "int64 indices",
+                                    "bf16 target"])
 def test_cuda_body_keeps_the_pytorch_kernel(change, monkeypatch):
     scores, target, indices, dloss = make_inputs(9, 30)
-    if change == "not opted in":
-        monkeypatch.delenv(op.LOSS_BWD_OPT_IN)
-    elif change == "switched_off":
+    if change == "switched_off":
         monkeypatch.setenv(op.LOSS_KERNEL_SWITCH, "0")
     elif change == "fp64 scores":
         scores, target, dloss = scores.double(), target.double(), dloss.double()

@@ -171,10 +171,10 @@ def main(argv=None) -> int:
         run_dplr()
     if not families or "dsa" in families:
         from benchmarks.envvars import scoped_env
-        from torch_dplr.dsa.ops import loss, sparse_mla
+        from torch_dplr.dsa.ops import sparse_mla
 
-        # every DSA op on its GPU kernel (the loss backward's opted in), a fallback raising
-        with forbid_pytorch_kernels(), scoped_env(loss.LOSS_BWD_OPT_IN, "1"):
+        # every DSA op on its TileLang kernel, a fallback raising
+        with forbid_pytorch_kernels():
             for config in dsa_sparse_mla_fwd.variants():  # the backward's are the forward's
                 run_dsa(config)
                 print(f"ran DSA sparse MLA fwd + bwd {config}", flush=True)

@@ -24,13 +24,9 @@ the other DSA kernels.  The backward runs the Triton kernel ``csrc_triton.dsa_lo
 (``softmax(scores) - p`` row by row, writing nothing but ``dscores``) for scores in fp32, bf16
 or fp16, an fp32 target and int32 indices, on a GPU where Triton runs; it takes an index at or
 past ``T_kv`` as a valid slot whose score is -inf (what ``dsa::indexer_fwd`` writes there), so
-its gradient is 0.  That kernel is opt-in (``TORCH_DPLR_DSA_TRITON_LOSS_BWD=1``,
-:data:`LOSS_BWD_OPT_IN`) until its GPU tests (tests/test_triton_dsa_loss_bwd.py -m cuda) pass
-on main.  ``TORCH_DPLR_DSA_TILELANG_LOSS=0`` (:data:`LOSS_KERNEL_SWITCH`) keeps both on their
-PyTorch kernels.
+its gradient is 0.  ``TORCH_DPLR_DSA_TILELANG_LOSS=0`` (:data:`LOSS_KERNEL_SWITCH`) keeps both
+on their PyTorch kernels.
 """
-import os
-
 from torch import Tensor
 import torch
 
@@ -46,8 +42,6 @@ from .shapes import acc_dtype, allocate, indexer_loss_bwd_shapes, indexer_loss_f
 
 #: Environment variable that keeps the KL loss ops on their PyTorch kernels ("0").
 LOSS_KERNEL_SWITCH = "TORCH_DPLR_DSA_TILELANG_LOSS"
-#: Environment variable that lets ``indexer_loss_bwd`` run its Triton kernel ("1").
-LOSS_BWD_OPT_IN = "TORCH_DPLR_DSA_TRITON_LOSS_BWD"
 
 
 def _check_reduction(reduction):
@@ -135,10 +129,10 @@ def _(scores, target, indices, dloss, coeff, reduction):
 
 
 def _triton_backward_applies(scores: Tensor, target: Tensor, indices: Tensor) -> bool:
-    """``csrc_triton.dsa_loss_bwd`` runs the call: opted in and not switched off, scores fp32
-    / bf16 / fp16, an fp32 target and int32 indices of the scores' shape, Triton usable on the
-    device.  Shapes, dtypes and the device only."""
-    return (os.environ.get(LOSS_BWD_OPT_IN) == "1" and not switched_off(LOSS_KERNEL_SWITCH)
+    """``csrc_triton.dsa_loss_bwd`` runs the call: not switched off, scores fp32 / bf16 /
+    fp16, an fp32 target and int32 indices of the scores' shape, Triton usable on the device.
+    Shapes, dtypes and the device only."""
+    return (not switched_off(LOSS_KERNEL_SWITCH)
             and scores.dtype in (*KERNEL_DTYPES, torch.float32)
             and target.dtype == torch.float32 and indices.dtype == torch.int32
             and scores.shape == target.shape == indices.shape
