@@ -84,8 +84,9 @@ INDEXER_TOKENS = 8192
 LOSS_COEFF = 0.01
 MODES = ("fwd", "bwd", "fwd_bwd")
 #: The dsa kernels' switches, recorded with a run ("0": that op runs its PyTorch kernel).
-KERNEL_SWITCHES = ("TORCH_DPLR_DSA_TILELANG_BWD", "TORCH_DPLR_DSA_TILELANG_TOPK",
-                   "TORCH_DPLR_DSA_TILELANG_INDEXER", "TORCH_DPLR_DSA_TILELANG_LOSS")
+KERNEL_SWITCHES = ("TORCH_DPLR_DSA_MLA_FWD_WS", "TORCH_DPLR_DSA_TILELANG_BWD",
+                   "TORCH_DPLR_DSA_TILELANG_TOPK", "TORCH_DPLR_DSA_TILELANG_INDEXER",
+                   "TORCH_DPLR_DSA_TILELANG_LOSS")
 PYTORCH_ONLY = "TORCH_DPLR_DISABLE_TILELANG"
 IMPLS = ("torch_dplr", "pytorch", dsa_peers.PREFIX)
 # Every record carries these keys, null when not measured.

@@ -6,7 +6,9 @@ Why: the two-warpgroup kernel splits every product over both warpgroups, so each
 its gather wait, the logits, the softmax (row statistics meeting in shared memory) and P · V
 in one lockstep; at D_qk 576 it holds 32 slots a block, a thin K for P · V.  Here one
 warpgroup owns whole rows, so the softmax needs no shared-memory reductions, and 64 slots a
-block fit because P is the only per-block scratch.
+block fit because P is the only per-block scratch.  On an H100 at T 8192, H 128, k 2048, bf16
+(``python -m benchmarks.dsa --quick``): 13.1 ms, 356 TFLOPS, against the two-warpgroup
+kernel's 21.4 ms, 219 TFLOPS (``TORCH_DPLR_DSA_MLA_FWD_WS=0``).
 
 Warpgroups (384 threads, one CTA per (token, block of 64 heads), as the other kernel)::
 

@@ -188,6 +188,9 @@ def cuda_body(monkeypatch):
 
     monkeypatch.setattr(op, "tilelang_usable", lambda device: True)
     monkeypatch.setattr(op, "kernel_for", checking_kernel_for)
+    # this kernel at every head count (tests/test_tl_dsa_sparse_mla_ws.py: which calls take
+    # the warp-specialized schedule)
+    monkeypatch.setenv(op.FWD_WS_SWITCH, "0")
     return asked
 
 

@@ -1,12 +1,12 @@
 """The warp-specialized sparse MLA forward (csrc_tl/dsa_sparse_mla_fwd_ws.py), against the
 op's PyTorch kernel and the two-warpgroup kernel.
 
-* No GPU: which calls take it (opted in, 64 heads per CTA, dims it builds), the launch's
+* No GPU: which calls take it (64 heads per CTA, dims it builds, not switched off), the launch's
   arguments checked against the traced kernel on meta tensors (no value read); its variants
   and shared memory.  Its sm_90a compile runs with the other sparse MLA families
   (tests/test_tl_dsa_sparse_mla.py::test_every_variant_compiles).
-* GPU (marker ``cuda``): DeepSeek-V3.2 sizes through the op, opted in, the fallback forbidden
-  (prints its time against the two-warpgroup kernel's); direct calls with outputs pre-filled
+* GPU (marker ``cuda``): DeepSeek-V3.2 sizes through the op, the fallback forbidden (prints
+  its time against the two-warpgroup kernel's); direct calls with outputs pre-filled
   with NaN at small sizes: padded head blocks, odd and even slot-block counts, k not a multiple
   of the block, -1 and out-of-range slots, rows without a valid slot, T_kv != T.
 """
@@ -59,20 +59,20 @@ def asked(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("opted_in", [True, False])
+@pytest.mark.parametrize("switched_off", [False, True])
 @pytest.mark.parametrize("H", [16, 32, 33, 64, 128])
 @pytest.mark.parametrize("dims", smla.DIMS, ids=lambda d: f"{d[0]}-{d[1]}")
-def test_opted_in_calls_at_64_heads_per_cta_take_it(asked, monkeypatch, opted_in, H, dims):
+def test_calls_at_64_heads_per_cta_take_it(asked, monkeypatch, switched_off, H, dims):
     D_qk, d_v = dims
-    if opted_in:
-        monkeypatch.setenv(op.FWD_WS_OPT_IN, "1")
+    if switched_off:
+        monkeypatch.setenv(op.FWD_WS_SWITCH, "0")
     else:
-        monkeypatch.delenv(op.FWD_WS_OPT_IN, raising=False)
+        monkeypatch.delenv(op.FWD_WS_SWITCH, raising=False)
     o, lse = op.sparse_mla_fwd_cuda(meta(7, H, D_qk, dtype=FP16), meta(11, D_qk, dtype=FP16),
                                     meta(7, 300, dtype=torch.int32), 0.1, d_v)
     assert o.shape == (7, H, d_v) and lse.shape == (7, H)
     config = smla.config_for(D_qk, d_v, H, FP16)
-    takes_it = opted_in and config["block_H"] == 64 and ws.supports(D_qk, d_v)
+    takes_it = not switched_off and config["block_H"] == 64 and ws.supports(D_qk, d_v)
     want = (("dsa_sparse_mla_fwd_ws", dict(D_qk=D_qk, d_v=d_v, dtype="float16")) if takes_it
             else ("dsa_sparse_mla_fwd", config))
     assert asked == [want]
@@ -107,8 +107,8 @@ def run_ws(q, kv, indices, scale, d_v):
 @pytest.mark.parametrize("H,dtype", [(64, BF16), (128, BF16), (128, FP16)],
                          ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else f"H{x}")
 def test_op_at_deepseek_sizes(monkeypatch, H, dtype):
-    """T 4096 packed with a padding tail, k 2048, D 576 / 512, through the op opted in with the
-    PyTorch kernel forbidden; prints its time and the two-warpgroup kernel's."""
+    """T 4096 packed with a padding tail, k 2048, D 576 / 512, through the op with the PyTorch
+    kernel forbidden; prints its time and the two-warpgroup kernel's (switched to)."""
     def forbidden(*args):
         raise AssertionError("dsa::sparse_mla_fwd fell back to its PyTorch kernel")
 
@@ -117,11 +117,11 @@ def test_op_at_deepseek_sizes(monkeypatch, H, dtype):
     q, kv, idx, scale = deepseek_case(H, dtype)
     d_v = DEEPSEEK[1]
     call = lambda: torch.ops.dsa.sparse_mla_fwd(q, kv, idx, scale, d_v)  # noqa: E731
-    monkeypatch.setenv(op.FWD_WS_OPT_IN, "1")
+    monkeypatch.delenv(op.FWD_WS_SWITCH, raising=False)
     o, lse = call()
     parity(o, lse, *reference(q, kv, idx, scale, d_v), dtype, f"warp-specialized H{H}")
     ms = time_ms(call)
-    monkeypatch.setenv(op.FWD_WS_OPT_IN, "0")
+    monkeypatch.setenv(op.FWD_WS_SWITCH, "0")
     base = time_ms(call)
     flops = 2 * q.shape[0] * H * idx.shape[1] * sum(DEEPSEEK)
     print(f"  warp-specialized {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), two-warpgroup "

@@ -12,8 +12,8 @@ a small grid (2 heads: the state backward runs its split kernels) and on one wit
 (sequence, head) pairs as SMs (its single kernel); then the fused no-grad forward
 (C = K = V = 64) rect with state and varlen, with enough pairs for it to apply; then every
 variant of the DSA sparse MLA kernels (``csrc_tl.dsa_sparse_mla_fwd`` / ``_bwd``: each
-(D_qk, d_v) x dtype x heads per CTA, and the forward's warp-specialized schedule
-``_fwd_ws``) once, through ``torch.ops.dsa.sparse_mla_fwd``'s autograd,
+(D_qk, d_v) x dtype x heads per CTA, at 64 heads per CTA the forward's warp-specialized
+schedule ``_fwd_ws`` and its two-warpgroup kernel) once, through ``torch.ops.dsa.sparse_mla_fwd``'s autograd,
 with a padded head block, k not a multiple of the slot block, -1 and out-of-range slots, a row
 without a valid slot, kv rows shared by many tokens (the backward's atomics) and a kv longer
 than q; then every variant of the DSA indexer kernels (``csrc_tl.dsa_indexer_topk``,
@@ -31,7 +31,7 @@ import sys
 import torch
 
 import torch_dplr
-from csrc_tl import dsa_indexer_loss, dsa_sparse_mla_fwd, dsa_sparse_mla_fwd_ws
+from csrc_tl import dsa_indexer_loss, dsa_sparse_mla_fwd
 from torch_dplr.dsa.testing import forbid_pytorch_kernels
 from torch_dplr.testing import RWKV7_BOUND, forbid_pytorch_stages, make_inputs
 
@@ -175,14 +175,16 @@ def main(argv=None) -> int:
 
         # every DSA op on its TileLang kernel, a fallback raising
         with forbid_pytorch_kernels():
-            for config in dsa_sparse_mla_fwd.variants():  # the backward's are the forward's
+            # the backward's variants are the forward's; at 64 heads per CTA the forward runs
+            # the warp-specialized schedule, and once more switched to the two-warpgroup one
+            for config in dsa_sparse_mla_fwd.variants():
                 run_dsa(config)
                 print(f"ran DSA sparse MLA fwd + bwd {config}", flush=True)
-            with scoped_env(sparse_mla.FWD_WS_OPT_IN, "1"):  # its warp-specialized forward
-                for c in dsa_sparse_mla_fwd_ws.variants():
-                    run_dsa(dsa_sparse_mla_fwd.config_for(c["D_qk"], c["d_v"], DSA_HEADS[64],
-                                                          getattr(torch, c["dtype"])))
-                    print(f"ran DSA sparse MLA warp-specialized fwd + bwd {c}", flush=True)
+            with scoped_env(sparse_mla.FWD_WS_SWITCH, "0"):
+                for config in dsa_sparse_mla_fwd.variants():
+                    if config["block_H"] == 64:
+                        run_dsa(config)
+                        print(f"ran DSA sparse MLA two-warpgroup fwd {config}", flush=True)
             for case in INDEXER_CASES:
                 run_indexer(*case)
                 print(f"ran DSA indexer top-k + scores fwd + bwd {case}", flush=True)

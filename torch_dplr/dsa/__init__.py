@@ -38,9 +38,9 @@ GPU kernels: on sm_90, ``sparse_mla_fwd`` / ``_bwd`` run the TileLang kernels
 ``TORCH_DPLR_DSA_TILELANG_*=0`` keeps its op on the PyTorch kernel); docs/dsa.md lists which
 calls take them.  The KL loss forward runs ``csrc_tl.dsa_indexer_loss`` there for
 D_qk 576, 192 or 64 and its backward the Triton kernel ``csrc_triton.dsa_loss_bwd``
-(``TORCH_DPLR_DSA_TILELANG_LOSS=0`` keeps both on their PyTorch kernels).  The sparse MLA
-forward's warp-specialized schedule, ``csrc_tl.dsa_sparse_mla_fwd_ws``, is opt-in
-(``TORCH_DPLR_DSA_MLA_FWD_WS=1``, calls with more than 32 heads).
+(``TORCH_DPLR_DSA_TILELANG_LOSS=0`` keeps both on their PyTorch kernels).  Above 32 heads the
+sparse MLA forward runs its warp-specialized schedule, ``csrc_tl.dsa_sparse_mla_fwd_ws``
+(``TORCH_DPLR_DSA_MLA_FWD_WS=0`` keeps the two-warpgroup kernel).
 
 Conventions (Megatron-LM's unfused DSA path where it defines one):
 

@@ -15,7 +15,9 @@ without a valid slot gives ``o = 0`` and ``lse = -inf``.  The backward takes ``d
 lse got no gradient) and returns ``dq``, ``dkv`` in their inputs' dtypes (fp32 accumulation).
 
 On CUDA the forward and the backward run the TileLang kernels ``csrc_tl.dsa_sparse_mla_fwd``
-and ``csrc_tl.dsa_sparse_mla_bwd`` where one is built (:func:`_tilelang_kernel`: bf16 / fp16,
+(above 32 heads its warp-specialized schedule ``csrc_tl.dsa_sparse_mla_fwd_ws``;
+:data:`FWD_WS_SWITCH` set to 0 keeps the two-warpgroup one) and ``csrc_tl.dsa_sparse_mla_bwd``
+where one is built (:func:`_tilelang_kernel`: bf16 / fp16,
 (D_qk, d_v) in their ``DIMS``, an sm_90 GPU; the backward's ``o`` and ``do`` in q's dtype,
 ``lse`` and ``dlse`` fp32); there an index outside ``[-1, T_kv)`` is not rejected (that would
 read the indices on the host) but counts as an empty slot.  The backward kernel adds dkv with
@@ -23,8 +25,6 @@ fp32 atomics, so its dkv may differ between runs by fp32 reordering error (bound
 kernel's docstring); :data:`BWD_KERNEL_SWITCH` set to 0 keeps the backward on its PyTorch
 kernel.  Everything else runs the PyTorch kernel.
 """
-
-import os
 
 from torch import Tensor
 import torch
@@ -84,19 +84,18 @@ def _tilelang_kernel(family: str, q: Tensor, kv: Tensor, indices: Tensor, d_v: i
     return None if config is None else kernel_for(family, config)
 
 
-#: Environment variable that runs the forward's warp-specialized schedule
-#: (``csrc_tl.dsa_sparse_mla_fwd_ws``) where it applies: "1" opts in, while its GPU tests have
-#: not passed on main.
-FWD_WS_OPT_IN = "TORCH_DPLR_DSA_MLA_FWD_WS"
+#: Environment variable that keeps the forward on its two-warpgroup kernel ("0") where the
+#: warp-specialized schedule (``csrc_tl.dsa_sparse_mla_fwd_ws``) would run.
+FWD_WS_SWITCH = "TORCH_DPLR_DSA_MLA_FWD_WS"
 
 
 def _forward_kernel(q: Tensor, kv: Tensor, indices: Tensor, d_v: int):
-    """The forward's kernel, or None: the warp-specialized schedule when opted in and the call
-    takes 64 heads per CTA at dims it builds, else the two-warpgroup one."""
+    """The forward's kernel, or None: the warp-specialized schedule where the call takes 64
+    heads per CTA (more than 32 heads) at dims it builds, else the two-warpgroup one."""
     config = _tilelang_config(q, kv, indices, d_v)
     if config is None:
         return None
-    if os.environ.get(FWD_WS_OPT_IN) == "1" and config["block_H"] == 64:
+    if config["block_H"] == 64 and not switched_off(FWD_WS_SWITCH):
         from csrc_tl import dsa_sparse_mla_fwd_ws as ws
 
         if ws.supports(config["D_qk"], d_v):
