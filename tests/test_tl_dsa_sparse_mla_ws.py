@@ -21,8 +21,9 @@ from csrc_tl import compile as tlc  # noqa: E402
 from csrc_tl import dsa_sparse_mla_fwd as smla  # noqa: E402
 from csrc_tl import dsa_sparse_mla_fwd_ws as ws  # noqa: E402
 from csrc_tl.launch_check import launch_checker  # noqa: E402
-from test_tl_dsa_sparse_mla import (BF16, DEEPSEEK, FP16, causal_indices, deepseek_case,  # noqa: E402
-                                    dtype_id, meta, parity, random_inputs, reference, time_ms)
+from test_tl_dsa_sparse_mla import (  # noqa: E402
+    BF16, DEEPSEEK, FP16, causal_indices, deepseek_case, dtype_id, meta, parity, random_inputs,
+    reference, time_ms)
 from torch_dplr.dsa.ops import sparse_mla as op  # noqa: E402
 
 FACTORY = ws.dsa_sparse_mla_fwd_ws_kernel

@@ -11,18 +11,18 @@ sequences, a partial last chunk) without, through the public op (forward + backw
 a small grid (2 heads: the state backward runs its split kernels) and on one with as many
 (sequence, head) pairs as SMs (its single kernel); then the fused no-grad forward
 (C = K = V = 64) rect with state and varlen, with enough pairs for it to apply; then every
-variant of the DSA sparse MLA kernels (``csrc_tl.dsa_sparse_mla_fwd`` / ``_bwd``: each
-(D_qk, d_v) x dtype x heads per CTA, at 64 heads per CTA the forward's warp-specialized
-schedule ``_fwd_ws`` and its two-warpgroup kernel) once, through ``torch.ops.dsa.sparse_mla_fwd``'s autograd,
-with a padded head block, k not a multiple of the slot block, -1 and out-of-range slots, a row
-without a valid slot, kv rows shared by many tokens (the backward's atomics) and a kv longer
-than q; then every variant of the DSA indexer kernels (``csrc_tl.dsa_indexer_topk``,
-``dsa_indexer_fwd`` / ``_bwd``: each (H_idx, D_idx) x dtype) through ``dsa::indexer_topk`` and
-``dsa::indexer_fwd``'s autograd, packed sequences with an empty one, a short one and a padding
-tail, top-k rows with -1 tails and out-of-range slots; then every variant of the KL loss
-forward (``csrc_tl.dsa_indexer_loss``) and its Triton backward through
-``dsa::indexer_loss_fwd``'s autograd, with a padded head, slots past kv and padding rows;
-fails if any stage or DSA op fell back to its PyTorch kernel.
+variant of the DSA sparse MLA kernels (``csrc_tl.dsa_sparse_mla_fwd`` / ``_bwd``: each (D_qk,
+d_v) x dtype x heads per CTA; at 64 heads per CTA the forward both as its warp-specialized
+schedule ``_fwd_ws`` and as the two-warpgroup kernel) once, through
+``torch.ops.dsa.sparse_mla_fwd``'s autograd, with a padded head block, k not a multiple of the
+slot block, -1 and out-of-range slots, a row without a valid slot, kv rows shared by many
+tokens (the backward's atomics) and a kv longer than q; then every variant of the DSA indexer
+kernels (``csrc_tl.dsa_indexer_topk``, ``dsa_indexer_fwd`` / ``_bwd``: each (H_idx, D_idx) x
+dtype) through ``dsa::indexer_topk`` and ``dsa::indexer_fwd``'s autograd, packed sequences with
+an empty one, a short one and a padding tail, top-k rows with -1 tails and out-of-range slots;
+then every variant of the KL loss forward (``csrc_tl.dsa_indexer_loss``) and its Triton
+backward through ``dsa::indexer_loss_fwd``'s autograd, with a padded head, slots past kv and
+padding rows; fails if any stage or DSA op fell back to its PyTorch kernel.
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         from benchmarks.envvars import scoped_env
         from torch_dplr.dsa.ops import sparse_mla
 
-        # every DSA op on its TileLang kernel, a fallback raising
+        # every DSA op on its GPU kernel, a fallback raising
         with forbid_pytorch_kernels():
             # the backward's variants are the forward's; at 64 heads per CTA the forward runs
             # the warp-specialized schedule, and once more switched to the two-warpgroup one
