@@ -10,6 +10,8 @@ the state once is the traffic floor of a decode step: 2 · 4·K·V bytes per (se
 
 The start state is row ``state_rows[n]`` of ``h0`` when ``INDEXED`` (a state pool: the final
 state goes back into the same row of ``ht``, which may be the same tensor), else row ``n``.
+``h0`` and ``ht`` are fp32, or bf16 for a lower-precision pool: read into the fp32 walk, the
+final state rounded to nearest even once when stored.
 With ``FLAGGED`` a program runs only where ``flags[n, h]`` (int32 ``[N, H]``) is non-zero and
 leaves the rest of ``o`` and ``ht`` as they are: the exact recompute of the (sequence, head)
 pairs whose gates broke a declared bound in the fused chunked forward (``ops/fused.py``).
@@ -53,8 +55,8 @@ def recurrent_fwd_kernel(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o
     ck = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
     state = (row * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
-    if USE_H0:
-        S = tl.load(h0 + state)
+    if USE_H0:  # a state pool may store bf16: the walk is fp32 either way
+        S = tl.load(h0 + state).to(tl.float32)
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     for t in range(eos - bos):
@@ -74,6 +76,7 @@ def recurrent_fwd_kernel(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o
         S = S * tl.exp(g_t)[:, None] + b_t[:, None] * a_S[None, :] + k_t[:, None] * v_t[None, :]
         o_t = tl.sum(q_t[:, None] * S, axis=0) * scale
         tl.store(o + at_v, round_to(o_t, o.dtype.element_ty))
+    S = round_to(S, ht.dtype.element_ty)  # fp32: as it is
     if FLAGGED:
         tl.store(ht + state, S, mask=(tl.zeros([K, BV], dtype=tl.int32) + keep.to(tl.int32)) != 0)
     else:

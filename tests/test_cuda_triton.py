@@ -87,6 +87,21 @@ def test_decode_pool_in_place_matches_functional_decode():
     assert torch.equal(pool[others], before[others])
 
 
+def test_decode_pool_in_bf16_storage():
+    """A bf16 pool on the GPU: the kernel's fp32 step rounded once, against the PyTorch kernel
+    on an fp32 copy of the same pool, rounded."""
+    x = _case(16, 2, 32, 64, seed=5)
+    pool = torch.randn(40, 32, 64, 64, device="cuda").to(torch.bfloat16)
+    ref_pool = pool.double()
+    slots = torch.randperm(40, device="cuda")[:16].to(torch.int32)
+    args = [x[n] for n in "q k v a b gk".split()]
+    o = torch_dplr.dplr_decode(*args, pool, slots, scale=1.0)
+    o_ref = torch_dplr.dplr_decode(*(t.double() for t in args), ref_pool, slots, scale=1.0)
+    assert pool.dtype == torch.bfloat16
+    assert rms_ratio(o, o_ref) < TOLERANCES[torch.bfloat16][0]
+    assert rms_ratio(pool, ref_pool.to(torch.bfloat16)) < 1e-3
+
+
 def test_decode_step_replays_in_a_cuda_graph():
     x = _case(8, 1, 16, 64, seed=4)
     args = [x[n] for n in "q k v a b gk".split()]

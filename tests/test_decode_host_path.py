@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_dplr
-from torch_dplr import serving, validation
+from torch_dplr import validation
 from torch_dplr.ops import decode, recurrent
 from torch_dplr.ops.direct_call import call_op
 from torch_dplr.ops.varlen import as_one_sequence_list
@@ -147,7 +147,7 @@ def test_decode_write_is_seen_by_autograd():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_decode_equals_the_op_through_every_layer(grad_mode, dtype):
     x = _rwkv7(dtype=dtype, seed=1)
-    sd = serving.state_dtype(dtype)
+    sd = decode.state_dtype(dtype)
     pool = torch.randn(6, H, K, K, dtype=sd)
     slots = _slots(5, 0, 3)
     want_pool, got_pool = pool.clone(), pool.clone()

@@ -103,6 +103,30 @@ def test_bf16_inputs_against_the_fp64_oracle():
     assert rms_ratio(pool[slots.long()], h_ref) < TOLERANCES[torch.float32][0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cu", [None, [0, 1, 4, 4, 6]], ids=["rect", "varlen"])
+def test_bf16_pool_is_the_fp32_step_rounded_once(dtype, cu):
+    """A bf16 pool: each request's state read into fp32, advanced in fp32 through all its
+    tokens and rounded to bf16 once when written back; o is what the fp32 step gives."""
+    B, T = (4, 3) if cu is None else (1, 6)
+    q, k, v, a, b, gk = _inputs(B, T, dtype, seed=7)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    pool = _pool(6).to(torch.bfloat16)
+    wide = pool.float()
+    slots = _slots(3, 5, 0, 1)
+    with torch.no_grad():
+        o = torch_dplr.dplr_decode(q, k, v, a, b, gk, pool, slots, cu_seqlens=cu_t)
+        o_wide = torch_dplr.dplr_decode(q, k, v, a, b, gk, wide, slots, cu_seqlens=cu_t)
+    assert pool.dtype == torch.bfloat16 and torch.equal(o, o_wide)
+    assert torch.equal(pool, wide.to(torch.bfloat16))
+
+
+def test_bf16_pool_refused_for_fp64_data():
+    q, k, v, a, b, gk = _inputs(2, 1, torch.float64)
+    with pytest.raises(TypeError, match=r"state_pool must be torch.float64 .*got torch.bfloat16"):
+        torch_dplr.dplr_decode(q, k, v, a, b, gk, _pool(3).to(torch.bfloat16), _slots(0, 1))
+
+
 def test_compiled_call_updates_the_pool():
     q, k, v, a, b, gk = _inputs(3, 1)
     pool, pool_eager = _pool(5), _pool(5)
@@ -170,8 +194,10 @@ def _call(**changes):
     (dict(state_pool=_pool(5, V=4)), ValueError,
      r"state_pool must have shape .*\[slots, 2, 8, 6\], got \(5, 2, 8, 4\)"),
     (dict(state_pool=_pool(5)[:, :1]), ValueError, "state_pool must have shape"),
-    (dict(state_pool=_pool(5).to(torch.bfloat16)), TypeError, "state_pool must be torch.float32"),
-    (dict(state_pool=_pool(5, torch.float64)), TypeError, "state_pool must be torch.float32"),
+    (dict(state_pool=_pool(5).to(torch.float16)), TypeError,
+     "state_pool must be torch.float32 or torch.bfloat16 .*got torch.float16"),
+    (dict(state_pool=_pool(5, torch.float64)), TypeError,
+     "state_pool must be torch.float32 or torch.bfloat16"),
     (dict(state_pool=_pool(5).transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
      "state_pool must be contiguous"),
     (dict(state_pool=_pool(5).to("meta")), ValueError, "state_pool is on meta"),

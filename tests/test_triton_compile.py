@@ -69,6 +69,9 @@ def variants():
     for indexed, flagged in ((False, False), (True, False), (False, True)):
         yield "recurrent", rec, dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=indexed,
                                      REVERSE=False, FLAGGED=flagged)
+    # a bf16 state pool (decode_pool's lower-precision storage)
+    yield "recurrent", dict(rec, h0=p, ht=p), dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=True,
+                                                 REVERSE=False, FLAGGED=False)
     for scores, block in ((f, 256), (p, 1024)):
         yield "dsa_loss_bwd", dict(scores=scores, target=f, indices="*i32", factor=f,
                                    dscores=scores, k="i32"), dict(BLOCK=block)

@@ -356,6 +356,28 @@ def test_decode_pool_cuda_body_updates_only_its_slots(op_bodies, cu):
     assert torch.equal(got_pool[untouched], pool[untouched])
 
 
+def test_decode_pool_cuda_body_with_a_bf16_pool(op_bodies):
+    """The kernel reads a bf16 pool into its fp32 walk and rounds the new state to nearest
+    even once: the PyTorch kernel's result (fp32 step, then ``.to(bfloat16)``) to within one
+    bf16 rounding where the two fp32 walks differ in their last bits."""
+    _, decode = op_bodies
+    x = _inputs(4, 2, 2, 64, None, seed=8)
+    pool = torch.randn(7, 2, 64, 64).to(torch.bfloat16)
+    slots = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
+    cu_t = torch.empty(0, dtype=torch.int64)
+    args = [x[n] for n in "q k v a b gk".split()]
+    got_pool, want_pool = pool.clone(), pool.clone()
+    o = decode.decode_pool_cuda(*args, got_pool, slots, cu_t, 0.7)
+    o_ref = decode.decode_pool_reference(*args, want_pool, slots, cu_t, 0.7)
+    assert got_pool.dtype == torch.bfloat16
+    assert rms_ratio(o, o_ref) < 1e-5
+    ulp = want_pool.float().abs() * 2.0 ** -7  # one bf16 unit at the value, an upper bound
+    assert ((got_pool.float() - want_pool.float()).abs() <= ulp).all()
+    assert rms_ratio(got_pool, want_pool) < 1e-3
+    untouched = [1, 2, 4]
+    assert torch.equal(got_pool[untouched], pool[untouched])
+
+
 def test_flagged_per_token_kernel_redoes_only_its_pairs():
     """``FLAGGED``: the (sequence, head) pairs set in ``flags`` get the recurrence, every other
     entry of ``o`` and ``ht`` keeps what was there (the fused forward's exact redo)."""

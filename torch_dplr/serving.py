@@ -1,7 +1,9 @@
 """Decoding many requests at once over a pool of states (``docs/serving.md``).
 
 A serving engine keeps every live request's recurrent state in one tensor, the state pool
-``[slots, H, K, V]`` (fp32; fp64 for fp64 data), and gives each request a slot.  One call of
+``[slots, H, K, V]`` (fp32; fp64 for fp64 data; or bf16 storage, which halves a decode step's
+state traffic: the states are advanced in fp32 and rounded to bf16 once per call, see
+``docs/serving.md`` for the error it adds), and gives each request a slot.  One call of
 :func:`rwkv7_decode` / :func:`dplr_decode` advances a batch of requests with different
 histories: it reads each request's state from its slot, runs its tokens (T = 1 decode, or a
 few tokens) and writes the new state back into the same slot, **in place**.  It returns the
@@ -26,7 +28,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.dplr)
 from .api import _under_autocast
-from .ops.decode import check_slot_values, state_dtype
+from .ops.decode import check_slot_values, pool_dtypes
 from .ops.direct_call import call_op
 from .reference.layout import check_cu_seqlens_values
 from .validation import check_inputs
@@ -36,7 +38,8 @@ __all__ = ["dplr_decode", "rwkv7_decode", "new_state_pool"]
 
 def new_state_pool(num_slots: int, num_heads: int, head_k_dim: int, head_v_dim: int | None = None,
                    *, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zero state pool ``[num_slots, H, K, V]`` (zero is the state of an empty history)."""
+    """A zero state pool ``[num_slots, H, K, V]`` (zero is the state of an empty history);
+    ``dtype=torch.bfloat16`` for the lower-precision storage."""
     V = head_k_dim if head_v_dim is None else head_v_dim
     return torch.zeros(num_slots, num_heads, head_k_dim, V, device=device, dtype=dtype)
 
@@ -62,7 +65,8 @@ def dplr_decode(q, k, v, a, b, gk, state_pool, slot_indices, scale=None, cu_seql
         q, k, a, b: ``[B, T, H, K]``; v: ``[B, T, H, V]``; gk: ``[B, T, H, K]`` log-decay.
             Rect: B requests of T tokens each.  Varlen: ``B == 1`` and ``cu_seqlens``.
         state_pool: ``[slots, H, K, V]``, contiguous, in the state dtype (fp32; fp64 for
-            fp64 data), on the inputs' device.  Updated in place.
+            fp64 data) or, but for fp64 data, bf16 storage, on the inputs' device.  Updated
+            in place.
         slot_indices: int32 ``[N]``: request n's state lives in ``state_pool[slot_indices[n]]``.
         scale: defaults to ``K ** -0.5``.
         cu_seqlens: ``[N+1]`` offsets of the requests' tokens (``B == 1``).
@@ -137,10 +141,11 @@ def _check_pool(pool, q, v, first):
     if pool.dim() != 4 or tuple(pool.shape[1:]) != (H, K, V):
         raise ValueError(f"state_pool must have shape [slots, H, K, V] = [slots, {H}, {K}, {V}], "
                          f"got {tuple(pool.shape)}")
-    want = state_dtype(q.dtype)
-    if pool.dtype != want:
-        raise TypeError(f"state_pool must be {want} for {q.dtype} inputs (the state dtype), "
-                        f"got {pool.dtype}")
+    allowed = pool_dtypes(q.dtype)
+    if pool.dtype not in allowed:
+        kinds = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"state_pool must be {kinds} for {q.dtype} inputs (the state dtype, "
+                        f"or its bf16 storage), got {pool.dtype}")
     if pool.device != q.device:
         raise ValueError(f"state_pool is on {pool.device} but {first} is on {q.device}")
     if not pool.is_contiguous():

@@ -1,7 +1,7 @@
 """``dplr::decode_pool``: the per-token recurrence for requests whose states live in one pool.
 
 A serving engine keeps every live request's state in a pool ``state_pool [slots, H, K, V]``
-(the state dtype: fp32, fp64 for fp64 data) and names each request's slot in
+(the state dtype: fp32, fp64 for fp64 data; or bf16 storage, :data:`POOL_STORE_DTYPE`) and names each request's slot in
 ``slot_indices [N]`` (int32).  One call reads those states, advances each request by its
 tokens (T = 1 decode, or a few tokens: a short prefill, a speculative block) and writes the
 states back into their slots **in place**: ``mutates_args=("state_pool",)``.  A functional op
@@ -35,6 +35,18 @@ from .triton_path import per_token_kernel_applies
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of a state (and of the pool) for data of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: A pool's lower-precision storage: the states are read into fp32, advanced in fp32 and
+#: rounded to it once per call when written back (half the state traffic of a decode step).
+POOL_STORE_DTYPE = torch.bfloat16
+
+
+def pool_dtypes(dtype: torch.dtype) -> tuple:
+    """The dtypes a state pool may have for data of ``dtype``: the state dtype, and bf16
+    storage except for fp64 data."""
+    state = state_dtype(dtype)
+    return (state,) if state == torch.float64 else (state, POOL_STORE_DTYPE)
 
 
 def decode_pool_shapes(q: Tensor, v: Tensor) -> tuple:
@@ -121,10 +133,10 @@ def _(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens, scale):
 def decode_pool_cuda(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens, scale):
     """``csrc_triton.recurrent`` reads each request's state from its pool row and writes the
     new state back into it (no gather, no scatter, no host sync); calls it does not take
-    (see :func:`~torch_dplr.ops.triton_path.per_token_kernel_applies`, and an fp32 pool) run
-    the PyTorch kernel."""
+    (see :func:`~torch_dplr.ops.triton_path.per_token_kernel_applies`, and an fp32 or bf16
+    pool) run the PyTorch kernel."""
     N = slot_indices.shape[0]
-    if not (state_pool.dtype == torch.float32 and state_pool.is_contiguous()
+    if not (state_pool.dtype in (torch.float32, POOL_STORE_DTYPE) and state_pool.is_contiguous()
             and per_token_kernel_applies(q, v, gk, N)):
         return decode_pool_reference(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens,
                                      scale)
