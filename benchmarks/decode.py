@@ -6,6 +6,8 @@ Per (batch, head dim), with ``T`` tokens per request (1: one decode step):
 
 - ``torch_dplr_us``: ``torch_dplr.fused_recurrent_rwkv7`` (functional: a new final state);
 - ``torch_dplr_pool_us``: ``torch_dplr.rwkv7_decode`` over a state pool (in place);
+- ``torch_dplr_pool_bf16_us``: the same over a bf16 pool (half the state bytes; its floor
+  ``floor_bf16_us``);
 - ``fla_us``, ``frwkv_us``: the peers, where they import;
 - ``floor_us``: reading and writing the fp32 state once at 4.3 TB/s;
 - ``*_o_vs_dplr``: RMS ratio of each peer's output against torch_dplr's.
@@ -77,8 +79,10 @@ def measure(B: int, T: int, H: int, D: int) -> dict:
     import torch_dplr
     x = _inputs(B, T, H, D)
     args = [x[n] for n in ("r", "w", "k", "v", "a", "b")]
+    state_bytes = B * H * D * D
     rec = dict(kind="decode", B=B, T=T, H=H, D=D,
-               floor_us=round(1e6 * 2 * 4 * B * H * D * D / HBM_BYTES_PER_S, 2))
+               floor_us=round(1e6 * 2 * 4 * state_bytes / HBM_BYTES_PER_S, 2),
+               floor_bf16_us=round(1e6 * 2 * 2 * state_bytes / HBM_BYTES_PER_S, 2))
     dplr = lambda: torch_dplr.fused_recurrent_rwkv7(*args, scale=1.0,  # noqa: E731
                                                     initial_state=x["state"],
                                                     output_final_state=True)
@@ -88,6 +92,9 @@ def measure(B: int, T: int, H: int, D: int) -> dict:
     slots = torch.arange(B, dtype=torch.int32, device="cuda")
     _time(rec, "torch_dplr_pool", lambda: torch_dplr.rwkv7_decode(*args, pool, slots,
                                                                   check_values=False))
+    pool_bf16 = x["state"].to(torch.bfloat16)
+    _time(rec, "torch_dplr_pool_bf16", lambda: torch_dplr.rwkv7_decode(
+        *args, pool_bf16, slots, check_values=False))
     try:
         from fla.ops.rwkv7 import fused_recurrent_rwkv7 as fla_recurrent
         fla = lambda: fla_recurrent(*args, scale=1.0, initial_state=x["state"],  # noqa: E731
