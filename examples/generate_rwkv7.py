@@ -13,6 +13,7 @@ equal one long prefill.
 
     python examples/generate_rwkv7.py --check                        # random weights, CPU
     python examples/generate_rwkv7.py --weights model.pt --tokens 64  # from train_rwkv7.py --save
+    python examples/generate_rwkv7.py --check --state-dtype bfloat16   # bf16 state pools
 """
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ def main(argv=None):
     p.add_argument("--no-graph", action="store_true", help="no CUDA graph on a GPU")
     p.add_argument("--check", action="store_true",
                    help="compare every decoded position with one chunked call")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the time-mix state pools' storage (bfloat16: half the bytes, the "
+                        "states rounded once per step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print a JSON summary line")
     args = p.parse_args(argv)
@@ -98,7 +102,8 @@ def main(argv=None):
                for n in torch.randint(3, 40, (args.requests,), generator=gen)]
     # requests sit in arbitrary slots of a larger pool, as in an engine with other requests
     slots = torch.randperm(args.slots, generator=gen)[:args.requests].to(device, torch.int32)
-    states = DecodeState.empty(cfg, args.slots, device)
+    states = DecodeState.empty(cfg, args.slots, device,
+                               state_dtype=getattr(torch, args.state_dtype))
     use_graph = device.type == "cuda" and not args.no_graph
 
     with torch.no_grad():

@@ -144,15 +144,18 @@ class Block(nn.Module):
 @dataclass
 class DecodeState:
     """Every request's recurrent state, in pools addressed by slot: per layer the time-mix
-    state ``wkv [slots, H, K, K]`` (fp32, updated in place by ``rwkv7_decode``) and the last
-    inputs of the two token shifts ``shift_att`` / ``shift_ffn [slots, d]``."""
+    state ``wkv [slots, H, K, K]`` (fp32, or bf16 storage; updated in place by
+    ``rwkv7_decode``) and the last inputs of the two token shifts ``shift_att`` /
+    ``shift_ffn [slots, d]``."""
     wkv: list
     shift_att: torch.Tensor  # [layers, slots, d]
     shift_ffn: torch.Tensor
 
     @staticmethod
-    def empty(cfg: Config, slots: int, device, dtype=torch.float32) -> "DecodeState":
-        wkv = [torch_dplr.new_state_pool(slots, cfg.n_heads, cfg.head_dim, device=device)
+    def empty(cfg: Config, slots: int, device, dtype=torch.float32,
+              state_dtype=torch.float32) -> "DecodeState":
+        wkv = [torch_dplr.new_state_pool(slots, cfg.n_heads, cfg.head_dim, device=device,
+                                         dtype=state_dtype)
                for _ in range(cfg.n_layers)]
         shift = torch.zeros(cfg.n_layers, slots, cfg.d_model, device=device, dtype=dtype)
         return DecodeState(wkv, shift, shift.clone())
@@ -204,7 +207,7 @@ class RWKV7(nn.Module):
             if want:
                 pool, slots = prefill_states
                 index = slots.long()
-                pool.wkv[i].index_copy_(0, index, state)
+                pool.wkv[i].index_copy_(0, index, state.to(pool.wkv[i].dtype))
                 pool.shift_att[i].index_copy_(0, index, h[0, last].to(pool.shift_att.dtype))
                 pool.shift_ffn[i].index_copy_(0, index, h2[0, last].to(pool.shift_ffn.dtype))
         logits = self.head(self.ln_out(x))
