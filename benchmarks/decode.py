@@ -21,10 +21,11 @@ engine runs decode steps), where the implementation can be captured.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
+
+from .jsonl import emit
 
 HBM_BYTES_PER_S = 4.3e12
 
@@ -133,12 +134,7 @@ def main(argv=None):
     for D in map(int, args.head_dims.split(",")):
         for T in map(int, args.tokens.split(",")):
             for B in map(int, args.batches.split(",")):
-                rec = measure(B, T, args.heads, D)
-                line = json.dumps(rec)
-                print(line, flush=True)
-                if args.out:
-                    with open(args.out, "a") as fh:
-                        fh.write(line + "\n")
+                emit(measure(B, T, args.heads, D), args.out)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 
 import torch
 
 import torch_dplr
+from benchmarks.jsonl import emit
 from benchmarks.timing import Timer
 from torch_dplr.testing import RWKV7_BOUND, make_inputs, rms_ratio
 
@@ -161,12 +161,7 @@ def main(argv=None):
         raise SystemExit("benchmarks.gate_bound needs a CUDA GPU")
 
     def out(rec):
-        line = json.dumps({k: round(v, 5) if isinstance(v, float) else v
-                           for k, v in rec.items()})
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(rec, args.out, digits=5)
 
     parts = args.parts.split(",")
     if "table" in parts:

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import warnings
 
 import torch
 
+from .jsonl import emit
 from .timing import Timer
 
 GENERATE = dict(layers=4, hidden=1024, head_dim=64, vocab=8192, batch=8, prompt=512,
@@ -175,22 +175,18 @@ def main(argv=None) -> int:
           file=sys.stderr)
     meta = run_meta(device, fla)
 
-    def emit(rec):
-        line = json.dumps({**rec, **meta})
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as fh:
-                fh.write(line + "\n")
+    def record(rec):
+        emit({**rec, **meta}, args.out)
 
     timer = Timer(device, reps=args.reps, warmup=args.warmup)
     for rec in measure_layer(fla, timer, device, args.batch, args.seq_len, args.hidden,
                              args.head_dim):
-        emit(rec)
+        record(rec)
     if not args.no_generate:
         torch.cuda.empty_cache()
         # a generate call takes about a second: fewer reps, no L2 flush (it would be noise)
-        emit(measure_generate(fla, Timer(device, reps=5, warmup=1, flush_l2=False), device,
-                              **GENERATE))
+        record(measure_generate(fla, Timer(device, reps=5, warmup=1, flush_l2=False), device,
+                                **GENERATE))
     return 0
 
 

@@ -14,12 +14,13 @@ computes them here (``--device cuda`` runs the Triton kernel).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import torch_dplr
 from torch_dplr.testing import RWKV7_BOUND, rms_ratio
+
+from .jsonl import emit
 
 REPORT_AT = (1, 4, 16, 64, 256, 1024, 4096)
 
@@ -69,12 +70,7 @@ def main(argv=None):
     device = torch.device(args.device)
     name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
     for rec in measure(args.steps, args.batch, args.heads, args.head_dim, device):
-        line = json.dumps({k: round(v, 7) if isinstance(v, float) else v
-                           for k, v in dict(rec, device=name).items()})
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(dict(rec, device=name), args.out, digits=7)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Triton and TileLang routes beside them; one JSON line per (shape, mode, implemen
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -21,6 +20,7 @@ from . import harness, inputs
 from .cells import Cell, Shape, tiny
 from .envvars import scoped_env
 from .fla_routes import FLA, ROUTES
+from .jsonl import emit
 from .timing import Timer
 
 # the envelope's long sequence and small grid, and the design shape as the control (shapes whose
@@ -71,11 +71,7 @@ def main(argv=None):
     name = "cpu" if cpu else torch.cuda.get_device_name(device)
 
     def out(rec):
-        line = json.dumps(dict(rec, device=name))
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(dict(rec, device=name), args.out)
 
     for shape in SHAPES:
         if wanted is None or shape.label in wanted:
