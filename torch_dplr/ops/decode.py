@@ -1,13 +1,14 @@
 """``dplr::decode_pool``: the per-token recurrence for requests whose states live in one pool.
 
 A serving engine keeps every live request's state in a pool ``state_pool [slots, H, K, V]``
-(the state dtype: fp32, fp64 for fp64 data; or bf16 storage, :data:`POOL_STORE_DTYPE`) and names each request's slot in
-``slot_indices [N]`` (int32).  One call reads those states, advances each request by its
-tokens (T = 1 decode, or a few tokens: a short prefill, a speculative block) and writes the
-states back into their slots **in place**: ``mutates_args=("state_pool",)``.  A functional op
-would return a new pool, copying every slot each step, and decode is bound by exactly that
-state traffic.  A mutating op has no autograd formula; the op is for inference only (the
-public entry, :mod:`torch_dplr.serving`, refuses inputs that require grad).
+(the state dtype: fp32, fp64 for fp64 data; or bf16 storage, :data:`POOL_STORE_DTYPE`) and
+names each request's slot in ``slot_indices [N]`` (int32). One call reads those states,
+advances each request by its tokens (T = 1 decode, or a few tokens: a short prefill, a
+speculative block) and writes the states back into their slots **in place**:
+``mutates_args=("state_pool",)``. A functional op would return a new pool, copying every slot
+each step, and decode is bound by exactly that state traffic. A mutating op has no autograd
+formula; the op is for inference only (the public entry, :mod:`torch_dplr.serving`, refuses
+inputs that require grad).
 
 Schema (fixed arity, an absent ``cu_seqlens`` is a size-0 tensor)::
 
