@@ -2,12 +2,13 @@
 pool, both against the same steps in fp64.
 
 ``torch_dplr.dplr_decode`` over a bf16 pool reads each state into fp32, advances it and rounds
-it to bf16 once per call; over an fp32 pool it keeps fp32.  This runs ``--steps`` decode calls
-of one token each (RWKV-7 inputs: bf16 data, ``a = -kk``, ``b = kk·iclr``, decays
-``exp(-0.6065·sigmoid(x))``) from a zero state and records, after selected steps, the RMS error
-of that step's outputs and of the states relative to the fp64 run (RMS(err) / RMS(ref)).  The
-numbers are those of the rounding points, which the GPU kernel shares: the PyTorch kernel
-computes them here (``--device cuda`` runs the Triton kernel).
+it to bf16 once per call; over an fp32 pool it keeps fp32. This runs ``--steps`` decode calls
+of one token each (``torch_dplr.testing.make_inputs``' RWKV-7 inputs: bf16 data, ``a = -kk``,
+``b = kk·iclr``, decays ``exp(-0.6065·sigmoid(x))``, scale 1) from a zero state and records,
+after selected steps, the RMS error of that step's outputs and of the states relative to the
+fp64 run (RMS(err) / RMS(ref)). The numbers are those of the rounding points, which the GPU
+kernel shares: the PyTorch kernel computes them here (``--device cuda`` runs the Triton
+kernel).
 
     python -m benchmarks.pool_precision --out benchmarks/results/cpu-pool-precision.jsonl
 """
@@ -18,22 +19,11 @@ import argparse
 import torch
 
 import torch_dplr
-from torch_dplr.testing import RWKV7_BOUND, rms_ratio
+from torch_dplr.testing import make_inputs, rms_ratio
 
 from .jsonl import emit
 
 REPORT_AT = (1, 4, 16, 64, 256, 1024, 4096)
-
-
-def step_inputs(B: int, H: int, D: int, gen: torch.Generator, device) -> list:
-    """One token per request, as ``rwkv7_decode`` takes it: r, w, k, v, a, b."""
-    rand = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
-    kk = torch.nn.functional.normalize(rand(B, 1, H, D), dim=-1)
-    iclr = torch.sigmoid(rand(B, 1, H, D))
-    w = RWKV7_BOUND * torch.sigmoid(rand(B, 1, H, D))
-    r, k, v = rand(B, 1, H, D), rand(B, 1, H, D) * D ** -0.5, rand(B, 1, H, D)
-    bf = lambda x: x.to(torch.bfloat16)  # noqa: E731
-    return [bf(r), w, bf(k), bf(v), bf(-kk), bf(kk * iclr)]
 
 
 def measure(steps: int, B: int, H: int, D: int, device, seed: int = 0):
@@ -42,14 +32,15 @@ def measure(steps: int, B: int, H: int, D: int, device, seed: int = 0):
              for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32),
                                  ("bf16", torch.bfloat16))}
     slots = torch.arange(B, dtype=torch.int32, device=device)
-    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for t in range(1, steps + 1):
-            x = step_inputs(B, H, D, gen, device)
+            x = make_inputs(B, 1, H, D, dtype=torch.bfloat16, seed=seed + t, device=device)
+            step = [x[n] for n in ("q", "k", "v", "a", "b", "gk")]
             outs = {}
             for name, pool in pools.items():
-                args = [a.double() for a in x] if name == "fp64" else x
-                outs[name] = torch_dplr.rwkv7_decode(*args, pool, slots, check_values=False)
+                args = [a.double() for a in step] if name == "fp64" else step
+                outs[name] = torch_dplr.dplr_decode(*args, pool, slots, scale=1.0,
+                                                    check_values=False)
             if t in REPORT_AT:
                 rec = dict(step=t, B=B, H=H, D=D)
                 for name in ("fp32", "bf16"):
