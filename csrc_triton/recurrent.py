@@ -8,6 +8,11 @@ registers and walks the sequence token by token (from its end with ``REVERSE``),
 ``a_tᵀ S`` and ``S_tᵀ q_t`` are reductions over K inside the program.  Reading and writing
 the state once is the traffic floor of a decode step: 2 · 4·K·V bytes per (sequence, head).
 
+Sequence n covers tokens ``cu_seqlens[n] .. cu_seqlens[n+1] - 1``, or with ``RECT`` (a rect
+batch of ``seq_len`` tokens each) ``n·seq_len .. (n+1)·seq_len - 1``: a rect call needs no
+offsets tensor, so a decode step is one kernel launch (an ``arange`` made per call was a
+second one in every CUDA graph replay).
+
 The start state is row ``state_rows[n]`` of ``h0`` when ``INDEXED`` (a state pool: the final
 state goes back into the same row of ``ht``, which may be the same tensor), else row ``n``.
 ``h0`` and ``ht`` are fp32, or bf16 for a lower-precision pool: read into the fp32 walk, the
@@ -18,7 +23,8 @@ pairs whose gates broke a declared bound in the fused chunked forward (``ops/fus
 
 Signature (flattened ``[1, T, H, D]`` token tensors)::
 
-    recurrent_fwd(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o, ht, scale, ...)
+    recurrent_fwd(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o, ht, scale,
+                  seq_len, ...)
 """
 import triton
 import triton.language as tl
@@ -37,14 +43,18 @@ def config(K: int, V: int) -> tuple[int, int]:
 
 @triton.jit
 def recurrent_fwd_kernel(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o, ht, scale,
-                         H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                         seq_len, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                          USE_H0: tl.constexpr, INDEXED: tl.constexpr, REVERSE: tl.constexpr,
-                         FLAGGED: tl.constexpr):
+                         FLAGGED: tl.constexpr, RECT: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.program_id(2)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if RECT:
+        bos = i_n.to(tl.int64) * seq_len
+        eos = bos + seq_len
+    else:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     if FLAGGED:  # an unflagged pair walks no token and stores nothing
         keep = tl.load(flags + i_n * H + i_h) != 0
         eos = tl.where(keep, eos, bos)
@@ -86,16 +96,22 @@ def recurrent_fwd_kernel(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o
 def launch(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, o, ht, scale: float, use_h0: bool,
            indexed: bool, reverse: bool, BV: int | None = None, num_warps: int | None = None,
            flags=None):
-    """Run the kernel on flattened tensors (``state_rows`` read only when ``indexed``; only
-    the pairs set in ``flags`` when given); ``BV`` and ``num_warps`` default to
-    :func:`config`."""
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    N = cu_seqlens.shape[0] - 1
+    """Run the kernel on ``[B, T, H, D]`` token tensors: a rect batch of B sequences when
+    ``cu_seqlens`` is None, else the flattened token list it cuts (``state_rows`` read only
+    when ``indexed``; only the pairs set in ``flags`` when given); ``BV`` and ``num_warps``
+    default to :func:`config`."""
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    rect = cu_seqlens is None
+    N = B if rect else cu_seqlens.shape[0] - 1
     default_bv, default_warps = config(K, V)
     BV, num_warps = BV or default_bv, num_warps or default_warps
     flagged = flags is not None
-    recurrent_fwd_kernel[(V // BV, H, N)](q, k, v, a, b, gk, h0, state_rows, cu_seqlens,
-                                          flags if flagged else cu_seqlens, o, ht, scale, H=H,
+    unused = ht  # a pointer argument the specialization never reads
+    recurrent_fwd_kernel[(V // BV, H, N)](q, k, v, a, b, gk, h0,
+                                          state_rows if indexed else unused,
+                                          unused if rect else cu_seqlens,
+                                          flags if flagged else unused, o, ht, scale, T, H=H,
                                           K=K, V=V, BV=BV, USE_H0=use_h0, INDEXED=indexed,
-                                          REVERSE=reverse, FLAGGED=flagged,
+                                          REVERSE=reverse, FLAGGED=flagged, RECT=rect,
                                           num_warps=num_warps)

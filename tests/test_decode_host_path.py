@@ -336,10 +336,9 @@ def test_recurrent_body_hands_the_kernel_its_inputs(launches, B, T, cu):
     for arg, t in zip(args[:6], tokens):
         assert arg is t and _same_memory_as_the_token_list(arg, t)
     assert args[6] is h0 and args[9] is o and args[10] is ht
-    offsets = torch.arange(0, (B + 1) * T, T) if cu is None else torch.tensor(cu)
-    assert args[7].dtype == torch.int32 and torch.equal(args[7].long(), offsets)
-    if cu is not None:
-        assert args[7] is cu_t  # int32 offsets go as they are
+    assert args[7] is None  # no state rows: h0 row n is sequence n
+    # a rect batch goes without offsets (the kernel cuts it); int32 offsets go as they are
+    assert args[8] is (None if cu is None else cu_t)
     assert args[11:] == (0.5, True, False, False)
 
 
@@ -355,7 +354,7 @@ def test_recurrent_body_copies_what_is_not_contiguous(launches):
     (first, second) = launches
     assert first[0].is_contiguous() and torch.equal(first[0], strided)
     assert first[6].is_contiguous() and torch.equal(first[6], h0) and first[-1] is True
-    assert second[7].dtype == torch.int32 and torch.equal(second[7].long(), cu64)
+    assert second[8].dtype == torch.int32 and torch.equal(second[8].long(), cu64)
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
@@ -371,7 +370,7 @@ def test_decode_body_hands_the_kernel_its_inputs(launches, slot_dtype):
     assert args[6] is pool and args[10] is pool and args[9] is o
     assert args[7].dtype == torch.int32 and torch.equal(args[7].long(), slots.long())
     assert (args[7] is slots) == (slot_dtype == torch.int32)
-    assert torch.equal(args[8], torch.arange(4, dtype=torch.int32))
+    assert args[8] is None  # a rect batch: no offsets tensor, one launch
     assert args[11:] == (0.7, True, True, False)
 
 

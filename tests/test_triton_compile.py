@@ -26,7 +26,7 @@ def variants():
                chunk_offsets="*i32", flags="*i32", workspace=f, dq=p, dk=p, dv=p, da=p, db=p,
                dgk=f, dh0=f, scale="fp32", H="i32")
     rec = dict(q=p, k=p, v=p, a=p, b=p, gk=f, h0=f, state_rows="*i32", cu_seqlens="*i32",
-               flags="*i32", o=p, ht=f, scale="fp32", H="i32")
+               flags="*i32", o=p, ht=f, scale="fp32", seq_len="i32", H="i32")
     for mode in (0, 1, 2):
         for tiles in (1, 4):
             yield "chunk_fwd", fwd, dict(K=64, V=64, BV=64, BT=16, TILES_PER_CHUNK=tiles,
@@ -66,12 +66,13 @@ def variants():
     for mode in (0, 1, 2):
         yield "chunk_grads", grads, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=4, MODE=mode,
                                          STATE_SPLIT=True)
-    for indexed, flagged in ((False, False), (True, False), (False, True)):
+    for indexed, flagged, rect in ((False, False, False), (True, False, True),
+                                   (False, True, False), (False, False, True)):
         yield "recurrent", rec, dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=indexed,
-                                     REVERSE=False, FLAGGED=flagged)
+                                     REVERSE=False, FLAGGED=flagged, RECT=rect)
     # a bf16 state pool (decode_pool's lower-precision storage)
     yield "recurrent", dict(rec, h0=p, ht=p), dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=True,
-                                                 REVERSE=False, FLAGGED=False)
+                                                 REVERSE=False, FLAGGED=False, RECT=True)
     for scores, block in ((f, 256), (p, 1024)):
         yield "dsa_loss_bwd", dict(scores=scores, target=f, indices="*i32", factor=f,
                                    dscores=scores, k="i32"), dict(BLOCK=block)

@@ -14,6 +14,7 @@ load_fla_cache() {  # load_fla_cache FILE: a save_fla_cache archive into the cac
 }
 if [ ! -f /tmp/site/.done ]; then  # once per machine (a warm machine keeps /tmp)
   xz -dc .gpu/site.tar.xz | tar -C /tmp/site -xf -
+  [ -f .gpu/peers.tar.xz ] && xz -dc .gpu/peers.tar.xz | tar -C /tmp/site -xf -
   [ -f .gpu/tlcache.tar.xz ] && xz -dc .gpu/tlcache.tar.xz | tar -C /tmp/tlc -xf -
   [ -f .gpu/fla_triton_autotune_h200.tar.xz ] && tar -C ~/.triton/cache -xJf .gpu/fla_triton_autotune_h200.tar.xz
   [ -f .gpu/fla_cache.tar.xz ] && load_fla_cache .gpu/fla_cache.tar.xz  # see SAVE_FLA_CACHE

@@ -55,6 +55,15 @@ if [ -n "${WIND_SRC:-}" ]; then
       > .gpu.new/wind_rwkv/COMMIT
   fi
 fi
+# pure-Python peers the site bundle lacks (PEER_WHEELS: a folder of wheels, e.g. from
+# `pip download --no-deps flash-linear-attention==0.6.0 flashrwkv2==0.1.0a17`: FLA's layers and
+# models for benchmarks/layers.py and the layer tests, FlashRWKV2 for benchmarks/decode.py),
+# unpacked over the site bundle by gpu_setup.sh
+if [ -n "${PEER_WHEELS:-}" ]; then
+  rm -rf /tmp/peer_site && mkdir -p /tmp/peer_site
+  for w in "$PEER_WHEELS"/*.whl; do python3 -m zipfile -e "$w" /tmp/peer_site; done
+  tar -C /tmp/peer_site -cf - . | xz -6 > .gpu.new/peers.tar.xz
+fi
 # the commit that travels (the device copy's own .git HEAD can lag the working tree); -dirty
 # when the working tree differs from it
 git describe --always --dirty --abbrev=7 > .gpu.new/commit

@@ -142,9 +142,8 @@ def decode_pool_cuda(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens, sc
         return decode_pool_reference(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens,
                                      scale)
     (o,) = _allocate(decode_pool_shapes(q, v), q.device)
-    B, T = q.shape[:2]
-    cu = sequence_offsets(cu_seqlens, B, T, q.device)
     rows = slot_indices if slot_indices.dtype == torch.int32 else slot_indices.to(torch.int32)
-    per_token_kernel().launch(*token_tensors(q, k, v, a, b, gk), state_pool, rows, cu, o,
+    per_token_kernel().launch(*token_tensors(q, k, v, a, b, gk), state_pool, rows,
+                              sequence_offsets(cu_seqlens), o,
                               state_pool, float(scale), True, True, False)
     return o

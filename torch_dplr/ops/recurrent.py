@@ -31,12 +31,12 @@ from .varlen import kernel_tables
 PER_TOKEN_MAX_AVG_LEN = 64
 
 
-def sequence_offsets(cu_seqlens: Tensor, B: int, T: int, device) -> Tensor:
-    """int32 ``[N+1]`` token offsets of a call's sequences in its flattened token list (rect
-    batches: ``B`` sequences of ``T``), made on the device without a host sync."""
-    if cu_seqlens.numel():
-        return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+def sequence_offsets(cu_seqlens: Tensor) -> Tensor | None:
+    """The per-token kernel's ``cu_seqlens``: int32 offsets of a varlen call's sequences, or
+    None for a rect call (size-0 ``cu_seqlens``), whose sequences the kernel finds itself."""
+    if not cu_seqlens.numel():
+        return None
+    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
 
 
 @functools.cache
@@ -95,8 +95,8 @@ def recurrent_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_
         _sweep_forward(tuple(map(flat, (q, k, v, a, b, gk))), h0, cu_seqlens, B, T, flat(o),
                        ht, scale, use_initial_state, reverse, store_states=False)
         return o, ht
-    cu = sequence_offsets(cu_seqlens, B, T, q.device)
-    per_token_kernel().launch(*token_tensors(q, k, v, a, b, gk), h0, cu, cu, o, ht,
+    per_token_kernel().launch(*token_tensors(q, k, v, a, b, gk), h0, None,
+                              sequence_offsets(cu_seqlens), o, ht,
                               float(scale), use_initial_state, False, bool(reverse))
     return o, ht
 
