@@ -131,10 +131,13 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
+    from .harness import run_meta
+    meta = run_meta(torch.device("cuda"), None)  # the card and the commit, in every record
+    del meta["fla"]
     for D in map(int, args.head_dims.split(",")):
         for T in map(int, args.tokens.split(",")):
             for B in map(int, args.batches.split(",")):
-                emit(measure(B, T, args.heads, D), args.out)
+                emit({**measure(B, T, args.heads, D), **meta}, args.out)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ module under ``torch_dplr.patch_fla()``, in one process on the same inputs.
   head dim 64: 32 heads; bf16; ``fuse_norm`` as ``RWKV7ForCausalLM`` builds it), ``mode``
   ``fwd`` (no grad: ``chunk_rwkv7`` without saving, as in a prefill) and ``fwd_bwd`` (training
   mode: forward, then the backward of a fixed output gradient; ``.grad`` is set to None after
-  every rep).  ``o_rms_ratio``: RMS(o - o_FLA) / RMS(o_FLA) of the two forwards.
+  every rep).  ``o_rms_ratio``: RMS(o - o_FLA) / RMS(o_FLA) of the two forwards;
+  ``fla_o_nonfinite`` / ``torch_dplr_o_nonfinite``: how many elements of each output are not
+  finite (a NaN ratio means some are).
 - ``kind: "generate"``: a small ``RWKV7ForCausalLM``'s greedy ``generate`` (``GENERATE``
   below): the prompt's prefill on ``chunk_rwkv7``, then one decode step per token on
   ``fused_mul_recurrent_rwkv7``.  ``*_tokens_per_s``: batch x new tokens per
@@ -114,10 +116,12 @@ def measure_layer(fla, timer: Timer, device, B=8, T=4096, hidden=2048, head_dim=
     with torch.no_grad(), fla.route("triton"):  # after the timing: first calls stay first
         o_fla = forward()
         with torch_dplr.patch_fla():
-            o_rms = float(f"{rms_ratio(forward(), o_fla):.3g}")
-    for rec in records:
-        rec["o_rms_ratio"] = o_rms
-    return records
+            o_mine = forward()
+    # a non-finite output makes the ratio NaN: say whose it is
+    check = dict(o_rms_ratio=float(f"{rms_ratio(o_mine, o_fla):.3g}"),
+                 fla_o_nonfinite=int((~torch.isfinite(o_fla)).sum()),
+                 torch_dplr_o_nonfinite=int((~torch.isfinite(o_mine)).sum()))
+    return [{**rec, **check} for rec in records]
 
 
 def measure_generate(fla, timer: Timer, device, layers, hidden, head_dim, vocab, batch, prompt,
