@@ -10,8 +10,7 @@ the state once is the traffic floor of a decode step: 2 · 4·K·V bytes per (se
 
 Sequence n covers tokens ``cu_seqlens[n] .. cu_seqlens[n+1] - 1``, or with ``RECT`` (a rect
 batch of ``seq_len`` tokens each) ``n·seq_len .. (n+1)·seq_len - 1``: a rect call needs no
-offsets tensor, so a decode step is one kernel launch (an ``arange`` made per call was a
-second one in every CUDA graph replay).
+offsets tensor made per call, so a decode step is this one launch.
 
 The start state is row ``state_rows[n]`` of ``h0`` when ``INDEXED`` (a state pool: the final
 state goes back into the same row of ``ht``, which may be the same tensor), else row ``n``.
@@ -21,7 +20,7 @@ With ``FLAGGED`` a program runs only where ``flags[n, h]`` (int32 ``[N, H]``) is
 leaves the rest of ``o`` and ``ht`` as they are: the exact recompute of the (sequence, head)
 pairs whose gates broke a declared bound in the fused chunked forward (``ops/fused.py``).
 
-Signature (flattened ``[1, T, H, D]`` token tensors)::
+Signature (contiguous ``[B, T, H, D]`` token tensors; a varlen call's are ``[1, T, H, D]``)::
 
     recurrent_fwd(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o, ht, scale,
                   seq_len, ...)
