@@ -25,7 +25,15 @@ done
 # packed beside the old bundle, which replaces it only at the end: a cache named by
 # KERNEL_CACHE, FLA_CACHE or ENVELOPE_STATE may lie in the old .gpu/
 rm -rf .gpu.new && mkdir -p .gpu.new
-ln -f .devsite/site.tar.xz .gpu.new/site.tar.xz
+# the site bundle without z3's command-line binary (z3_solver-*.data, 22 MB; TileLang imports
+# the z3 module only): the checkout and .gpu/ must stay under 64 MiB together
+if [ ! -f .devsite/site-trimmed.tar.xz ] || [ .devsite/site.tar.xz -nt .devsite/site-trimmed.tar.xz ]; then
+  rm -rf /tmp/site_trim && mkdir -p /tmp/site_trim
+  xz -dc .devsite/site.tar.xz | tar -C /tmp/site_trim -xf -
+  rm -rf /tmp/site_trim/z3_solver-*.data
+  tar -C /tmp/site_trim -cf - . | xz -6 -T0 > .devsite/site-trimmed.tar.xz
+fi
+ln -f .devsite/site-trimmed.tar.xz .gpu.new/site.tar.xz
 cp .devsite/fla_triton_autotune_h200.tar.xz .gpu.new/
 if [ -n "${KERNEL_CACHE:-}" ]; then cp "$KERNEL_CACHE" .gpu.new/tlcache.tar.xz; fi
 # FLA's tuning over the benchmark envelope (fla_cache.tar.xz in an envelope.tgz), kept in the
