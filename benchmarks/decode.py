@@ -1,6 +1,7 @@
 """Decode steps side by side: torch_dplr's per-token path against FLA's
 ``fused_recurrent_rwkv7`` and FlashRWKV2's ``tmix_wkv7_recurrent`` (its default
-configuration, untuned), in one process on the same values (bf16 r, k, v, a, b; RWKV-7 gates ``-exp(-0.5)·sigmoid(x)``; fp32 state in and out).
+configuration, untuned), in one process on the same values (bf16 r, k, v, a, b; RWKV-7 gates
+``-exp(-0.5)·sigmoid(x)``; fp32 state in and out).
 
 Per (batch, head dim), with ``T`` tokens per request (1: one decode step):
 
@@ -20,10 +21,16 @@ Per (batch, head dim), with ``T`` tokens per request (1: one decode step):
 engine runs decode steps), where the implementation can be captured.
 
     python -m benchmarks.decode --out benchmarks/results/h200-decode.jsonl
+
+``--kernel-configs 16x1,32x1,32x4,64x4`` adds, per cell, a ``kind: "decode_config"`` record per
+``BVxWARPS`` of the per-token kernel (its V-block width and warps in place of
+``csrc_triton.recurrent.config``'s choice): the functional and fp32-pool steps' graph-replay
+times, to choose that default per head dim and batch.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 
 import torch
@@ -128,6 +135,50 @@ def measure(B: int, T: int, H: int, D: int) -> dict:
     return rec
 
 
+def parse_kernel_configs(text: str) -> list[tuple[int, int]]:
+    """``"32x1,64x4"`` -> ``[(32, 1), (64, 4)]`` (V-block width, warps)."""
+    configs = []
+    for item in filter(None, text.split(",")):
+        bv, _, warps = item.partition("x")
+        if not (bv.isdigit() and warps.isdigit()):
+            raise ValueError(f"--kernel-configs: {item!r} is not BVxWARPS (e.g. 32x4)")
+        configs.append((int(bv), int(warps)))
+    return configs
+
+
+@contextlib.contextmanager
+def kernel_config(bv: int, warps: int):
+    """Inside, the per-token kernel launches with V-blocks of ``bv`` (at most V) and ``warps``."""
+    from csrc_triton import recurrent
+    default = recurrent.config
+    recurrent.config = lambda K, V: (min(bv, V), warps)
+    try:
+        yield
+    finally:
+        recurrent.config = default
+
+
+def measure_configs(B: int, T: int, H: int, D: int, configs) -> list[dict]:
+    import torch_dplr
+    x = _inputs(B, T, H, D)
+    args = [x[n] for n in ("r", "w", "k", "v", "a", "b")]
+    pool = x["state"].clone()
+    slots = torch.arange(B, dtype=torch.int32, device="cuda")
+    records = []
+    for bv, warps in configs:
+        rec = dict(kind="decode_config", B=B, T=T, H=H, D=D, block_v=min(bv, D), num_warps=warps)
+        with kernel_config(bv, warps):
+            for name, fn in (("torch_dplr", lambda: torch_dplr.fused_recurrent_rwkv7(
+                                 *args, scale=1.0, initial_state=x["state"],
+                                 output_final_state=True)),
+                             ("torch_dplr_pool", lambda: torch_dplr.rwkv7_decode(
+                                 *args, pool, slots, check_values=False))):
+                fn()  # compiles this configuration outside the capture
+                rec[f"{name}_graph_us"] = _graph_us(fn)
+        records.append(rec)
+    return records
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,16,128,512")
@@ -135,7 +186,10 @@ def main(argv=None):
     parser.add_argument("--tokens", default="1")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--out", default=None, help="append JSON lines here")
+    parser.add_argument("--kernel-configs", default="",
+                        help="BVxWARPS list of per-token kernel configurations to time as well")
     args = parser.parse_args(argv)
+    configs = parse_kernel_configs(args.kernel_configs)
     from .harness import run_meta
     meta = run_meta(torch.device("cuda"), None)  # the card and the commit, in every record
     del meta["fla"]
@@ -143,6 +197,8 @@ def main(argv=None):
         for T in map(int, args.tokens.split(",")):
             for B in map(int, args.batches.split(",")):
                 emit({**measure(B, T, args.heads, D), **meta}, args.out)
+                for rec in measure_configs(B, T, args.heads, D, configs):
+                    emit({**rec, **meta}, args.out)
 
 
 if __name__ == "__main__":
