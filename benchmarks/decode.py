@@ -159,6 +159,8 @@ def kernel_config(bv: int, warps: int):
 
 
 def measure_configs(B: int, T: int, H: int, D: int, configs) -> list[dict]:
+    if not configs:
+        return []
     import torch_dplr
     x = _inputs(B, T, H, D)
     args = [x[n] for n in ("r", "w", "k", "v", "a", "b")]
