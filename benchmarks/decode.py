@@ -86,26 +86,34 @@ def _rms_ratio(x, ref) -> float:
     return float(f"{rms_ratio(x, ref):.3g}")
 
 
-def measure(B: int, T: int, H: int, D: int) -> dict:
+def _own_calls(x: dict) -> dict:
+    """torch_dplr's decode steps on ``x``: the functional call, and ``rwkv7_decode`` over an
+    fp32 and a bf16 pool holding ``x``'s states in slots 0..B-1."""
     import torch_dplr
+    args = [x[n] for n in ("r", "w", "k", "v", "a", "b")]
+    slots = torch.arange(x["state"].shape[0], dtype=torch.int32, device=x["state"].device)
+    pools = {"torch_dplr_pool": x["state"].clone(),
+             "torch_dplr_pool_bf16": x["state"].to(torch.bfloat16)}
+
+    def over(pool):
+        return lambda: torch_dplr.rwkv7_decode(*args, pool, slots, check_values=False)
+
+    return {"torch_dplr": lambda: torch_dplr.fused_recurrent_rwkv7(
+                *args, scale=1.0, initial_state=x["state"], output_final_state=True),
+            **{name: over(pool) for name, pool in pools.items()}}
+
+
+def measure(B: int, T: int, H: int, D: int) -> dict:
     x = _inputs(B, T, H, D)
     args = [x[n] for n in ("r", "w", "k", "v", "a", "b")]
     state_bytes = B * H * D * D
     rec = dict(kind="decode", B=B, T=T, H=H, D=D,
                floor_us=round(1e6 * 2 * 4 * state_bytes / HBM_BYTES_PER_S, 2),
                floor_bf16_us=round(1e6 * 2 * 2 * state_bytes / HBM_BYTES_PER_S, 2))
-    dplr = lambda: torch_dplr.fused_recurrent_rwkv7(*args, scale=1.0,  # noqa: E731
-                                                    initial_state=x["state"],
-                                                    output_final_state=True)
-    o_ref, _ = dplr()
-    _time(rec, "torch_dplr", dplr)
-    pool = x["state"].clone()
-    slots = torch.arange(B, dtype=torch.int32, device="cuda")
-    _time(rec, "torch_dplr_pool", lambda: torch_dplr.rwkv7_decode(*args, pool, slots,
-                                                                  check_values=False))
-    pool_bf16 = x["state"].to(torch.bfloat16)
-    _time(rec, "torch_dplr_pool_bf16", lambda: torch_dplr.rwkv7_decode(
-        *args, pool_bf16, slots, check_values=False))
+    own = _own_calls(x)
+    o_ref, _ = own["torch_dplr"]()
+    for name, fn in own.items():
+        _time(rec, name, fn)
     try:
         from fla.ops.rwkv7 import fused_recurrent_rwkv7 as fla_recurrent
         fla = lambda: fla_recurrent(*args, scale=1.0, initial_state=x["state"],  # noqa: E731
@@ -161,22 +169,13 @@ def kernel_config(bv: int, warps: int):
 def measure_configs(B: int, T: int, H: int, D: int, configs) -> list[dict]:
     if not configs:
         return []
-    import torch_dplr
-    x = _inputs(B, T, H, D)
-    args = [x[n] for n in ("r", "w", "k", "v", "a", "b")]
-    pool = x["state"].clone()
-    slots = torch.arange(B, dtype=torch.int32, device="cuda")
+    own = _own_calls(_inputs(B, T, H, D))
     records = []
     for bv, warps in configs:
         rec = dict(kind="decode_config", B=B, T=T, H=H, D=D, block_v=min(bv, D), num_warps=warps)
-        with kernel_config(bv, warps):
-            for name, fn in (("torch_dplr", lambda: torch_dplr.fused_recurrent_rwkv7(
-                                 *args, scale=1.0, initial_state=x["state"],
-                                 output_final_state=True)),
-                             ("torch_dplr_pool", lambda: torch_dplr.rwkv7_decode(
-                                 *args, pool, slots, check_values=False))):
-                fn()  # compiles this configuration outside the capture
-                rec[f"{name}_graph_us"] = _graph_us(fn)
+        with kernel_config(bv, warps):  # _graph_us runs each call before capturing it
+            for name in ("torch_dplr", "torch_dplr_pool"):
+                rec[f"{name}_graph_us"] = _graph_us(own[name])
         records.append(rec)
     return records
 

@@ -25,13 +25,14 @@ done
 # packed beside the old bundle, which replaces it only at the end: a cache named by
 # KERNEL_CACHE, FLA_CACHE or ENVELOPE_STATE may lie in the old .gpu/
 rm -rf .gpu.new && mkdir -p .gpu.new
+pack_folder() { tar -C "$1" -cf - . | xz -6 -T0 > "$2"; }  # pack_folder DIR FILE.tar.xz
 # the site bundle without z3's command-line binary (z3_solver-*.data, 22 MB; TileLang imports
 # the z3 module only): the checkout and .gpu/ must stay under 64 MiB together
 if [ ! -f .devsite/site-trimmed.tar.xz ] || [ .devsite/site.tar.xz -nt .devsite/site-trimmed.tar.xz ]; then
   rm -rf /tmp/site_trim && mkdir -p /tmp/site_trim
   xz -dc .devsite/site.tar.xz | tar -C /tmp/site_trim -xf -
   rm -rf /tmp/site_trim/z3_solver-*.data
-  tar -C /tmp/site_trim -cf - . | xz -6 -T0 > .devsite/site-trimmed.tar.xz
+  pack_folder /tmp/site_trim .devsite/site-trimmed.tar.xz
 fi
 ln -f .devsite/site-trimmed.tar.xz .gpu.new/site.tar.xz
 cp .devsite/fla_triton_autotune_h200.tar.xz .gpu.new/
@@ -70,7 +71,7 @@ fi
 if [ -n "${PEER_WHEELS:-}" ]; then
   rm -rf /tmp/peer_site && mkdir -p /tmp/peer_site
   for w in "$PEER_WHEELS"/*.whl; do python3 -m zipfile -e "$w" /tmp/peer_site; done
-  tar -C /tmp/peer_site -cf - . | xz -6 > .gpu.new/peers.tar.xz
+  pack_folder /tmp/peer_site .gpu.new/peers.tar.xz
 fi
 # the commit that travels (the device copy's own .git HEAD can lag the working tree); -dirty
 # when the working tree differs from it
