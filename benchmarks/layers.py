@@ -7,7 +7,8 @@ module under ``torch_dplr.patch_fla()``, in one process on the same inputs.
   mode: forward, then the backward of a fixed output gradient; ``.grad`` is set to None after
   every rep).  ``o_rms_ratio``: RMS(o - o_FLA) / RMS(o_FLA) of the two forwards;
   ``fla_o_nonfinite`` / ``torch_dplr_o_nonfinite``: how many elements of each output are not
-  finite (a NaN ratio means some are).
+  finite (a NaN ratio means some are); where FLA's is not, ``fla_first_nonfinite`` names the
+  first submodule whose output is not finite.
 - ``kind: "generate"``: a small ``RWKV7ForCausalLM``'s greedy ``generate`` (``GENERATE``
   below): the prompt's prefill on ``chunk_rwkv7``, then one decode step per token on
   ``fused_mul_recurrent_rwkv7``.  ``*_tokens_per_s``: batch x new tokens per
@@ -117,11 +118,40 @@ def measure_layer(fla, timer: Timer, device, B=8, T=4096, hidden=2048, head_dim=
         o_fla = forward()
         with torch_dplr.patch_fla():
             o_mine = forward()
-    # a non-finite output makes the ratio NaN: say whose it is
+    # a non-finite output makes the ratio NaN: say whose it is, and where it first appears
     check = dict(o_rms_ratio=float(f"{rms_ratio(o_mine, o_fla):.3g}"),
                  fla_o_nonfinite=int((~torch.isfinite(o_fla)).sum()),
                  torch_dplr_o_nonfinite=int((~torch.isfinite(o_mine)).sum()))
+    if check["fla_o_nonfinite"]:
+        with torch.no_grad(), fla.route("triton"):
+            check["fla_first_nonfinite"] = first_nonfinite(layer, forward)
     return [{**rec, **check} for rec in records]
+
+
+def _finite(value) -> bool:
+    tensors = value if isinstance(value, (tuple, list)) else (value,)
+    return all(torch.isfinite(t).all().item() for t in tensors if torch.is_tensor(t))
+
+
+def first_nonfinite(module: torch.nn.Module, run) -> str:
+    """``run()`` with forward hooks on every submodule: the first one (in call order) whose
+    output is not finite, and whether its inputs were (so a non-finite layer output can be
+    traced to the FLA kernel that made it, or to the attention op between two modules)."""
+    found = []
+
+    def hook(name):
+        def check(_, args, out):
+            if not found and not _finite(out):
+                found.append(f"{name} (inputs finite: {_finite(args)})")
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in module.named_modules() if n]
+    try:
+        out = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else f"no submodule (output finite: {_finite(out)})"
 
 
 def measure_generate(fla, timer: Timer, device, layers, hidden, head_dim, vocab, batch, prompt,

@@ -8,7 +8,8 @@ the staged kernels.
 
 Grid and walk
 -------------
-One CTA (one warpgroup) per (V-block, head, sequence), the grid of ``state_fwd``. A CTA walks
+One CTA (one warpgroup; two with ``threads=256``, which split every product's columns and the
+elementwise work) per (V-block, head, sequence), the grid of ``state_fwd``. A CTA walks
 its sequence's chunks in order with its K x BV slice of the state h in an fp32 accumulator
 fragment. Per chunk it does, on chip, what the three staged kernels do:
 
@@ -146,16 +147,27 @@ def fused_fwd_kernel(
     min_blocks: int = 2,
     block_k: int = 32,
     trim_chain: bool = False,
+    skip: str = "",
 ):
     """prim_func ``fused_fwd(...)`` for one config (signature in the module docstring).
 
     C: chunk size (64: one warpgroup, wgmma); K, V: head dims; dtype: bf16 / fp16 data;
     gate_dtype: fp32 or dtype. Schedule knobs: BV (0: V, one CTA per (sequence, head));
-    threads (128); min_blocks (CTAs per SM nvcc must fit; 2 caps registers at 255); block_k
+    threads (128: one warpgroup; 256: two, each chunk's work spread over twice the threads,
+    with min_blocks 2 at 128 registers and 112 B of stack a thread on sm_90a); min_blocks (CTAs
+    per SM nvcc must fit; 2 caps registers at 255 with 128 threads); block_k
     (operand columns per intra product step: smaller means smaller fp32 operand tiles);
     trim_chain (contract the inverse chain's products only over the 16-row blocks that can be
     nonzero: -37% of its tensor work; see :func:`chain_ranges`).
+
+    skip: for timing only (``tools/tune_knobs.py fused_fwd:skip=wy+state``): phases of the
+    chunk step left out, ``+``-separated from ``intra``, ``wy``, ``state``. The kernel then
+    computes garbage; the time of the phases kept is what it measures.
     """
+    skipped = set(filter(None, skip.split("+")))
+    if not skipped <= {"intra", "wy", "state"}:
+        raise ValueError(f"skip={skip!r}: phases are intra, wy, state")
+    do_intra, do_wy, do_state = (p not in skipped for p in ("intra", "wy", "state"))
     dtype = canonical_dtype(dtype)
     gate_dtype = canonical_dtype(gate_dtype)
     if C != 64:
@@ -170,8 +182,8 @@ def fused_fwd_kernel(
     BV = BV or V
     if BV % 16 or V % BV:
         raise ValueError(f"BV={BV}: need a multiple of 16 dividing V={V}")
-    if threads != 128:
-        raise ValueError("threads: the kernel runs one warpgroup (128)")
+    if threads not in (128, 256):
+        raise ValueError(f"threads={threads}: one or two warpgroups (128 or 256)")
     NV = V // BV
     BK = min(K, block_k)  # operand columns per intra product step
     if K % BK or BK % 8:
@@ -394,104 +406,109 @@ def fused_fwd_kernel(
                 load_chunk(q, k, a, b, gk, t0, i_h, q_t, k_t, a_t, b_t, G)
 
                 # ================= intra =================
-                gate_scan(L, T.get_thread_binding(), G, Tot, run, vals)
-                for kk in T.Parallel(K):
-                    gl_s[kk] = G[C, kk]
-                    if G[C, kk] < -CENTRED_MAX_EXPONENT:  # the declared bound does not hold
-                        flags[i_n, i_h] = 1
-                # A_qk, A_qb first: their outputs (16 KB) are smaller than what A_ab / A_ak
-                # leave for the WY stage (36 KB), so this order keeps the peak lower
-                # F1 = Qc Bc^T = A_qb, F2 = Qc Kc^T = A_qk (operands in X, Y, Z order: q, b, k)
-                intra_products(G, q_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_qk_qb)
-                for i, j in T.Parallel(C, C):
-                    Aqk_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, F2[i, j] * scale, T.float32(0)))
-                    Aqb_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, F1[i, j] * scale, T.float32(0)))
-                intra_products(G, a_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_ab_ak)
-                # A_ab masked (strictly lower, rows < L): diagonal blocks fp32 (forward
-                # substitution), the blocks below them split (L of M = D L); A_ak split
-                for i, j in T.Parallel(C, C):
-                    if i // S == j // S:
-                        Nd_s[i, j % S] = T.if_then_else((j < i) and (i < L), F1[i, j], T.float32(0))
-                split_of(lambda i, j: T.if_then_else((i // S > j // S) and (i < L), F1[i, j], T.float32(0)),
-                         Lh, Ll)
-                split_of(lambda i, j: T.if_then_else((j < i) and (i < L), F2[i, j], T.float32(0)),
-                         Akh, Akl)
-                gated_tiles(L, G, q_t, k_t, a_t, b_t, Rq, Rk, Ra, Rb, scale)
+                if do_intra:
+                    gate_scan(L, T.get_thread_binding(), G, Tot, run, vals)
+                    for kk in T.Parallel(K):
+                        gl_s[kk] = G[C, kk]
+                        if G[C, kk] < -CENTRED_MAX_EXPONENT:  # the declared bound does not hold
+                            flags[i_n, i_h] = 1
+                    # A_qk, A_qb first: their outputs (16 KB) are smaller than what A_ab / A_ak
+                    # leave for the WY stage (36 KB), so this order keeps the peak lower
+                    # F1 = Qc Bc^T = A_qb, F2 = Qc Kc^T = A_qk (operands in X, Y, Z order: q, b, k)
+                    intra_products(G, q_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_qk_qb)
+                    for i, j in T.Parallel(C, C):
+                        Aqk_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, F2[i, j] * scale, T.float32(0)))
+                        Aqb_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, F1[i, j] * scale, T.float32(0)))
+                    intra_products(G, a_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_ab_ak)
+                    # A_ab masked (strictly lower, rows < L): diagonal blocks fp32 (forward
+                    # substitution), the blocks below them split (L of M = D L); A_ak split
+                    for i, j in T.Parallel(C, C):
+                        if i // S == j // S:
+                            Nd_s[i, j % S] = T.if_then_else((j < i) and (i < L), F1[i, j], T.float32(0))
+                    split_of(lambda i, j: T.if_then_else((i // S > j // S) and (i < L), F1[i, j], T.float32(0)),
+                             Lh, Ll)
+                    split_of(lambda i, j: T.if_then_else((j < i) and (i < L), F2[i, j], T.float32(0)),
+                             Akh, Akl)
+                    gated_tiles(L, G, q_t, k_t, a_t, b_t, Rq, Rk, Ra, Rb, scale)
                 # v only now (needed from u = Q v on): it lands under the inverse chain and
                 # is not live during the intra products, the shared-memory peak
                 T.async_copy(v[0, t0 : t0 + C, i_h, v0 : v0 + BV], v_t)
 
                 # ================= WY: Inv = (I + M^2)(I + M) D, M = D L =================
-                block_diagonal_inverses(Nd_s, x, Dd_s)
-                T.sync_threads()
-                for i, j in T.Parallel(C, C):
-                    P_f[i, j] = d_entry(Dd_s)(i, j)
-                split_of(d_entry(Dd_s), Dh, Dl)
-                T.clear(M_f)
-                gemm3_over(Dh, Dl, Lh, Ll, M_f, KR["M"])  # M = D L
-                join(M_f)
-                split(M_f, Mh, Ml)
-                gemm3_over(Mh, Ml, Dh, Dl, P_f, KR["P"])  # P = D + M D
-                T.clear(M2_f)
-                gemm3_over(Mh, Ml, Mh, Ml, M2_f, KR["M2"])  # M^2, in flight with P
-                join(P_f, M2_f)
-                split(M2_f, M2h, M2l)
-                split(P_f, Ph, Pl)
-                gemm3_over(M2h, M2l, Ph, Pl, P_f, KR["Inv"])  # Inv = P + M^2 P
-                join(P_f)
-                split(P_f, Ih, Il)
-                if not share_inv:
-                    split(P_f, Iwh, Iwl)
-                # Q = Inv A_ak, w = Inv ag (ag rows >= L are zero)
-                T.clear(M_f)
-                gemm3(Ih, Il, Akh, Akl, M_f)
-                T.clear(W_f)
-                if share_inv:
-                    gemm2(Ih, Il, a_t, W_f)
-                else:
-                    gemm2(Iwh, Iwl, a_t, W_f)
-                join(M_f, W_f)
-                split(M_f, Qh, Ql)
-                # v rows >= L read as zero (u = Q v, kg^T v)
-                T.ptx_wait_group(0)
-                T.sync_threads()
-                for i, j in T.Parallel(C, BV):
-                    if i >= L:
-                        v_t[i, j] = T.Cast(dtype, 0)
-                T.copy(W_f, w_s)  # w rounded to the data dtype, as the staged path stores it
-                T.clear(U_f)
-                gemm2(Qh, Ql, v_t, U_f)  # u = Q v
-                join(U_f)
-                T.copy(U_f, u_s)  # u rounded to the data dtype, as staged
+                if do_wy:
+                    block_diagonal_inverses(Nd_s, x, Dd_s)
+                    T.sync_threads()
+                    for i, j in T.Parallel(C, C):
+                        P_f[i, j] = d_entry(Dd_s)(i, j)
+                    split_of(d_entry(Dd_s), Dh, Dl)
+                    T.clear(M_f)
+                    gemm3_over(Dh, Dl, Lh, Ll, M_f, KR["M"])  # M = D L
+                    join(M_f)
+                    split(M_f, Mh, Ml)
+                    gemm3_over(Mh, Ml, Dh, Dl, P_f, KR["P"])  # P = D + M D
+                    T.clear(M2_f)
+                    gemm3_over(Mh, Ml, Mh, Ml, M2_f, KR["M2"])  # M^2, in flight with P
+                    join(P_f, M2_f)
+                    split(M2_f, M2h, M2l)
+                    split(P_f, Ph, Pl)
+                    gemm3_over(M2h, M2l, Ph, Pl, P_f, KR["Inv"])  # Inv = P + M^2 P
+                    join(P_f)
+                    split(P_f, Ih, Il)
+                    if not share_inv:
+                        split(P_f, Iwh, Iwl)
+                    # Q = Inv A_ak, w = Inv ag (ag rows >= L are zero)
+                    T.clear(M_f)
+                    gemm3(Ih, Il, Akh, Akl, M_f)
+                    T.clear(W_f)
+                    if share_inv:
+                        gemm2(Ih, Il, a_t, W_f)
+                    else:
+                        gemm2(Iwh, Iwl, a_t, W_f)
+                    join(M_f, W_f)
+                    split(M_f, Qh, Ql)
+                    # v rows >= L read as zero (u = Q v, kg^T v)
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
+                    for i, j in T.Parallel(C, BV):
+                        if i >= L:
+                            v_t[i, j] = T.Cast(dtype, 0)
+                    T.copy(W_f, w_s)  # w rounded to the data dtype, as the staged path stores it
+                    T.clear(U_f)
+                    gemm2(Qh, Ql, v_t, U_f)  # u = Q v
+                    join(U_f)
+                    T.copy(U_f, u_s)  # u rounded to the data dtype, as staged
 
                 # ================= state =================
-                for kk, j in T.Parallel(K, BV):
-                    hh_s[kk, j] = T.Cast(dtype, h_f[kk, j])
-                    hl_s[kk, j] = T.Cast(dtype, h_f[kk, j] - T.Cast(f32, T.Cast(dtype, h_f[kk, j])))
-                for kk, j in T.Parallel(K, BV):
-                    h_f[kk, j] = h_f[kk, j] * T.exp2(gl_s[kk])
-                T.sync_threads()
-                # phase 1: v_new = w h, o = qg h + A_qk v, h += kg^T v
-                T.gemm(w_s, hh_s, vn_f, clear_accum=True, annotations=_NOWAIT)
-                T.gemm(w_s, hl_s, vn_f, annotations=_NOWAIT)
-                T.gemm(q_t, hh_s, o_f, clear_accum=True, annotations=_NOWAIT)
-                T.gemm(q_t, hl_s, o_f, annotations=_NOWAIT)
-                T.gemm(Aqk_s, v_t, o_f, annotations=_NOWAIT)
-                T.gemm(k_t, v_t, h_f, transpose_A=True, annotations=_NOWAIT)
-                T.wait_wgmma(0)
-                for i, j in T.Parallel(C, BV):
-                    vn_f[i, j] = T.if_then_else(i < L, vn_f[i, j] + T.Cast(f32, u_s[i, j]),
-                                                T.float32(0))
-                for i, j in T.Parallel(C, BV):
-                    vh_s[i, j] = T.Cast(dtype, vn_f[i, j])
-                    vl_s[i, j] = T.Cast(dtype, vn_f[i, j] - T.Cast(f32, T.Cast(dtype, vn_f[i, j])))
-                T.sync_threads()
-                # phase 2: o += A_qb v_new, h += bg^T v_new
-                T.gemm(Aqb_s, vl_s, o_f, annotations=_NOWAIT)
-                T.gemm(Aqb_s, vh_s, o_f, annotations=_NOWAIT)
-                T.gemm(b_t, vl_s, h_f, transpose_A=True, annotations=_NOWAIT)
-                T.gemm(b_t, vh_s, h_f, transpose_A=True, annotations=_NOWAIT)
-                T.wait_wgmma(0)
+                if do_state:
+                    if not do_wy:  # v's copy is joined in the WY phase
+                        T.ptx_wait_group(0)
+                    for kk, j in T.Parallel(K, BV):
+                        hh_s[kk, j] = T.Cast(dtype, h_f[kk, j])
+                        hl_s[kk, j] = T.Cast(dtype, h_f[kk, j] - T.Cast(f32, T.Cast(dtype, h_f[kk, j])))
+                    for kk, j in T.Parallel(K, BV):
+                        h_f[kk, j] = h_f[kk, j] * T.exp2(gl_s[kk])
+                    T.sync_threads()
+                    # phase 1: v_new = w h, o = qg h + A_qk v, h += kg^T v
+                    T.gemm(w_s, hh_s, vn_f, clear_accum=True, annotations=_NOWAIT)
+                    T.gemm(w_s, hl_s, vn_f, annotations=_NOWAIT)
+                    T.gemm(q_t, hh_s, o_f, clear_accum=True, annotations=_NOWAIT)
+                    T.gemm(q_t, hl_s, o_f, annotations=_NOWAIT)
+                    T.gemm(Aqk_s, v_t, o_f, annotations=_NOWAIT)
+                    T.gemm(k_t, v_t, h_f, transpose_A=True, annotations=_NOWAIT)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, BV):
+                        vn_f[i, j] = T.if_then_else(i < L, vn_f[i, j] + T.Cast(f32, u_s[i, j]),
+                                                    T.float32(0))
+                    for i, j in T.Parallel(C, BV):
+                        vh_s[i, j] = T.Cast(dtype, vn_f[i, j])
+                        vl_s[i, j] = T.Cast(dtype, vn_f[i, j] - T.Cast(f32, T.Cast(dtype, vn_f[i, j])))
+                    T.sync_threads()
+                    # phase 2: o += A_qb v_new, h += bg^T v_new
+                    T.gemm(Aqb_s, vl_s, o_f, annotations=_NOWAIT)
+                    T.gemm(Aqb_s, vh_s, o_f, annotations=_NOWAIT)
+                    T.gemm(b_t, vl_s, h_f, transpose_A=True, annotations=_NOWAIT)
+                    T.gemm(b_t, vh_s, h_f, transpose_A=True, annotations=_NOWAIT)
+                    T.wait_wgmma(0)
                 for i, j in T.Parallel(C, BV):
                     if i < L:
                         o[0, t0 + i, i_h, v0 + j] = T.Cast(dtype, o_f[i, j])
