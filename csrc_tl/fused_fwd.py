@@ -147,6 +147,7 @@ def fused_fwd_kernel(
     min_blocks: int = 2,
     block_k: int = 32,
     trim_chain: bool = False,
+    share_operands: bool = False,
     skip: str = "",
 ):
     """prim_func ``fused_fwd(...)`` for one config (signature in the module docstring).
@@ -158,7 +159,10 @@ def fused_fwd_kernel(
     per SM nvcc must fit; 2 caps registers at 255 with 128 threads); block_k
     (operand columns per intra product step: smaller means smaller fp32 operand tiles);
     trim_chain (contract the inverse chain's products only over the 16-row blocks that can be
-    nonzero: -37% of its tensor work; see :func:`chain_ranges`).
+    nonzero: -37% of its tensor work; see :func:`chain_ranges`); share_operands (form the
+    centred Qc, Ac, Bc, Kc once per column block and issue the four intra products together
+    into four accumulators, instead of two passes that form Bc and Kc twice: 64 more fp32
+    registers a thread at 128 threads, meant for ``threads=256``).
 
     skip: for timing only (``tools/tune_knobs.py fused_fwd:skip=wy+state``): phases of the
     chunk step left out, ``+``-separated from ``intra``, ``wy``, ``state``. The kernel then
@@ -273,6 +277,49 @@ def fused_fwd_kernel(
             join(F1, F2)
 
     @T.macro
+    def operands_all(G, q_t, a_t, b_t, k_t, Qc, Ac, Bc, Kc, c0):
+        """The centred tf32 operands of all four intra products for columns c0..c0+BK-1."""
+        for r, c in T.Parallel(C, BK):
+            gi = G[r + 1, c0 + c]
+            gm = G[mid + 1, c0 + c]
+            f = T.exp2(gm - gi)
+            Qc[r, c] = tf32(T.Cast(f32, q_t[r, c0 + c]) * T.exp2(gi - gm))
+            Ac[r, c] = tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - gm))
+            Bc[r, c] = tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
+            Kc[r, c] = tf32(T.Cast(f32, k_t[r, c0 + c]) * f)
+
+    @T.macro
+    def four_products(G, q_t, a_t, b_t, k_t, Qc, Ac, Bc, Kc, Fqb, Fqk, Fab, Fak):
+        """A_qb, A_qk, A_ab, A_ak (unscaled, unmasked) over K in blocks of BK columns."""
+        for kb in range(K // BK):
+            operands_all(G, q_t, a_t, b_t, k_t, Qc, Ac, Bc, Kc, kb * BK)
+            T.sync_threads()
+            T.gemm(Qc, Bc, Fqb, transpose_B=True, clear_accum=kb == 0, annotations=_NOWAIT)
+            T.gemm(Qc, Kc, Fqk, transpose_B=True, clear_accum=kb == 0, annotations=_NOWAIT)
+            T.gemm(Ac, Bc, Fab, transpose_B=True, clear_accum=kb == 0, annotations=_NOWAIT)
+            T.gemm(Ac, Kc, Fak, transpose_B=True, clear_accum=kb == 0, annotations=_NOWAIT)
+            join(Fqb, Fqk)
+            join(Fab, Fak)
+
+    @T.macro
+    def store_qk_qb(Fqb, Fqk, Aqk_s, Aqb_s, scale):
+        for i, j in T.Parallel(C, C):
+            Aqk_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, Fqk[i, j] * scale, T.float32(0)))
+            Aqb_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, Fqb[i, j] * scale, T.float32(0)))
+
+    @T.macro
+    def stage_ab_ak(Fab, Fak, L, Nd_s, Lh, Ll, Akh, Akl):
+        """A_ab masked (strictly lower, rows < L): diagonal blocks fp32 (forward substitution),
+        the blocks below them split (L of M = D L); A_ak split."""
+        for i, j in T.Parallel(C, C):
+            if i // S == j // S:
+                Nd_s[i, j % S] = T.if_then_else((j < i) and (i < L), Fab[i, j], T.float32(0))
+        split_of(lambda i, j: T.if_then_else((i // S > j // S) and (i < L), Fab[i, j], T.float32(0)),
+                 Lh, Ll)
+        split_of(lambda i, j: T.if_then_else((j < i) and (i < L), Fak[i, j], T.float32(0)),
+                 Akh, Akl)
+
+    @T.macro
     def gated_tiles(L, G, q_t, k_t, a_t, b_t, Rq, Rk, Ra, Rb, scale):
         """qg = scale q 2^gi, ag = a 2^ge, kg / bg = k / b 2^(gl - gi), rows >= L zero, in
         registers, then written over the raw tiles once every thread is past them."""
@@ -354,6 +401,11 @@ def fused_fwd_kernel(
             Rb = T.alloc_fragment((C, K), dtype)
             F1 = T.alloc_fragment((C, C), f32)  # A_qb, then A_ab
             F2 = T.alloc_fragment((C, C), f32)  # A_qk, then A_ak
+            Wc = F3 = F4 = None
+            if share_operands:
+                Wc = T.alloc_shared((C, BK), f32)  # Ac beside Qc in Xc
+                F3 = T.alloc_fragment((C, C), f32)  # A_ab
+                F4 = T.alloc_fragment((C, C), f32)  # A_ak
             Aqk_s = T.alloc_shared((C, C), dtype)
             Aqb_s = T.alloc_shared((C, C), dtype)
             Nd_s = T.alloc_shared((C, S), f32)  # diagonal blocks of A_ab, compact, masked
@@ -412,23 +464,18 @@ def fused_fwd_kernel(
                         gl_s[kk] = G[C, kk]
                         if G[C, kk] < -CENTRED_MAX_EXPONENT:  # the declared bound does not hold
                             flags[i_n, i_h] = 1
-                    # A_qk, A_qb first: their outputs (16 KB) are smaller than what A_ab / A_ak
-                    # leave for the WY stage (36 KB), so this order keeps the peak lower
-                    # F1 = Qc Bc^T = A_qb, F2 = Qc Kc^T = A_qk (operands in X, Y, Z order: q, b, k)
-                    intra_products(G, q_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_qk_qb)
-                    for i, j in T.Parallel(C, C):
-                        Aqk_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, F2[i, j] * scale, T.float32(0)))
-                        Aqb_s[i, j] = T.Cast(dtype, T.if_then_else(j <= i, F1[i, j] * scale, T.float32(0)))
-                    intra_products(G, a_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_ab_ak)
-                    # A_ab masked (strictly lower, rows < L): diagonal blocks fp32 (forward
-                    # substitution), the blocks below them split (L of M = D L); A_ak split
-                    for i, j in T.Parallel(C, C):
-                        if i // S == j // S:
-                            Nd_s[i, j % S] = T.if_then_else((j < i) and (i < L), F1[i, j], T.float32(0))
-                    split_of(lambda i, j: T.if_then_else((i // S > j // S) and (i < L), F1[i, j], T.float32(0)),
-                             Lh, Ll)
-                    split_of(lambda i, j: T.if_then_else((j < i) and (i < L), F2[i, j], T.float32(0)),
-                             Akh, Akl)
+                    if share_operands:
+                        four_products(G, q_t, a_t, b_t, k_t, Xc, Wc, Yc, Zc, F1, F2, F3, F4)
+                        store_qk_qb(F1, F2, Aqk_s, Aqb_s, scale)
+                        stage_ab_ak(F3, F4, L, Nd_s, Lh, Ll, Akh, Akl)
+                    else:
+                        # A_qk, A_qb first: their outputs (16 KB) are smaller than what A_ab /
+                        # A_ak leave for the WY stage (36 KB), so this order keeps the peak lower
+                        # F1 = Qc Bc^T = A_qb, F2 = Qc Kc^T = A_qk (operands in X, Y, Z order)
+                        intra_products(G, q_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_qk_qb)
+                        store_qk_qb(F1, F2, Aqk_s, Aqb_s, scale)
+                        intra_products(G, a_t, b_t, k_t, Xc, Yc, Zc, F1, F2, operands_ab_ak)
+                        stage_ab_ak(F1, F2, L, Nd_s, Lh, Ll, Akh, Akl)
                     gated_tiles(L, G, q_t, k_t, a_t, b_t, Rq, Rk, Ra, Rb, scale)
                 # v only now (needed from u = Q v on): it lands under the inverse chain and
                 # is not live during the intra products, the shared-memory peak

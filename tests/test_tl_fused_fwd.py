@@ -167,11 +167,13 @@ def test_varlen_many_short_sequences_fp16():
 
 
 # ---- schedule knobs: V-blocks recompute the chunk-local work; narrower intra steps; the
-# inverse chain contracted over its nonzero blocks only; two warpgroups per CTA (same answer
-# up to summation order) ----
+# inverse chain contracted over its nonzero blocks only; two warpgroups per CTA; the four intra
+# products from one set of operands (same answer up to summation order) ----
 
 @pytest.mark.parametrize("knobs", [dict(BV=32), dict(block_k=16), dict(trim_chain=True),
-                                   dict(threads=256), dict(threads=256, min_blocks=1)])
+                                   dict(threads=256), dict(threads=256, min_blocks=1),
+                                   dict(threads=256, share_operands=True),
+                                   dict(share_operands=True, block_k=16)])
 def test_schedule_knobs(knobs):
     inp = inputs(1, 1000, 4, 64, BF16)
     check("B1 T1000 H4", inp, **knobs)

@@ -13,6 +13,9 @@
 #                       outside the checkout (e.g. /tmp/bench) survives between invocations on
 #                       the same host, so `--resume` continues a run split over several
 #   PROFILE="<args>"    tools/profile_pipeline.py <args>: per-kernel device time ($OUT/profile.*)
+#   NCU_KERNEL=<regex>  Nsight Compute on one launch of the kernels matching it (the third, past
+#                       warm-ups), made by NCU_CMD: stall reasons, occupancy, pipe use and source
+#                       counters as $OUT/ncu.txt and the report $OUT/ncu.ncu-rep
 #   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time (without
 #                       TileLang's compile-time cuda-binaries folder: loading reads kernels/ only)
 #   SAVE_FLA_CACHE=1    what FLA tuned and compiled here (Triton autotune results, TileLang
@@ -66,6 +69,16 @@ if [ -n "${PROFILE+x}" ]; then
   # shellcheck disable=SC2086
   step profile 300 python3 tools/profile_pipeline.py --out "$OUT/profile.jsonl" $PROFILE
   grep -A12 "^==" "$OUT/profile.log"
+fi
+if [ -n "${NCU_KERNEL:-}" ]; then
+  if command -v ncu > /dev/null; then
+    step ncu "${NCU_TIMEOUT:-300}" ncu --kernel-name "regex:$NCU_KERNEL" --launch-skip 2 --launch-count 1 \
+      --set full --import-source yes -o "$OUT/ncu" -f bash -c "$NCU_CMD"
+    ncu --import "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu.txt" 2>&1
+    grep -E "Duration|Registers|Achieved Occupancy|Stall|Issue Slots|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -30
+  else
+    echo "ncu: not on this machine"
+  fi
 fi
 if [ -n "${SAVE_CACHE:-}" ]; then
   tar -C /tmp/tlc --exclude='./*/cuda-binaries' -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"
