@@ -84,13 +84,10 @@ def _without_check():
 
 
 def _check_alone_ms(inp, C, timer):
-    """The check's work at this shape, alone: the intra forward's and backward's reductions
-    over gl and their exact kernels over emptied tables, the fused forward's flag buffer and
-    its flagged per-token launch (nothing flagged)."""
-    from csrc_tl.intra_bwd import bounded_max_decay
-    from csrc_tl.intra_fwd import centred_max_decay
+    """The check's work at this shape, alone: the intra forward's and backward's redo kernels
+    (every CTA reads its chunk totals and ends), the fused forward's flag buffer and its
+    flagged per-token launch (nothing flagged)."""
     from csrc_triton import recurrent
-    from torch_dplr.ops.gate_bound import breaking_slots, only_slots
     from torch_dplr.ops.intra import _kernels
     from torch_dplr.ops.varlen import as_one_sequence_list as flat
     from torch_dplr.ops.varlen import kernel_tables
@@ -110,14 +107,11 @@ def _check_alone_ms(inp, C, timer):
     N = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
 
     def forward_check():
-        redo = only_slots(tables, breaking_slots(gl, centred_max_decay()))
-        fwd_exact(*tokens, redo.chunk_start, redo.chunk_len, K ** -0.5,
-                  torch.empty_like(flat(gl)), *map(flat, outs[1:]))
+        fwd_exact(*tokens, tables.chunk_start, tables.chunk_len, K ** -0.5, *map(flat, outs))
 
     def backward_check():
-        redo = only_slots(tables, breaking_slots(gl, bounded_max_decay(q.dtype)))
-        bwd_exact(*tokens, *map(flat, grads), redo.chunk_start, redo.chunk_len, K ** -0.5,
-                  *map(flat, bwd_outs))
+        bwd_exact(*tokens, flat(gl), *map(flat, grads), tables.chunk_start, tables.chunk_len,
+                  K ** -0.5, *map(flat, bwd_outs))
 
     def fused_check():
         flags = torch.zeros(B, H, dtype=torch.int32, device="cuda")

@@ -106,12 +106,13 @@ ptxas' cap of 255 (``fence_fragments`` keeps nvcc from carrying element-wise val
 the GEMMs, which costs registers).
 
 Shapes: q, k, a, b, dqg, dkg, dag, dbg, dq, dk, da, db [B, T, H, K] dtype;
-gk, dgk [B, T, H, K] gk_dtype; dgl [B, S, H, K] fp32 (S chunk slots);
+gk, dgk [B, T, H, K] gk_dtype; gl, dgl [B, S, H, K] fp32 (S chunk slots; gl, the forward's
+chunk totals, is read by the redo variant only);
 dA_qk, dA_qb [B, T, H, C] dtype; dA_ak, dA_ab [B, T, H, C] fp32; scale is a
 runtime fp32 scalar; chunk_start, chunk_len int32 [S]. B, T, H, S are symbolic (B == 1
 at call time). Signature (call ``kernel(*inputs, *outputs)``, nothing returned)::
 
-    intra_bwd(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,
+    intra_bwd(q, k, a, b, gk, gl, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,
               chunk_start, chunk_len, scale, dq, dk, da, db, dgk)
 """
 
@@ -125,7 +126,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .compile import canonical_dtype, kernel_options
-from .tile_macros import end_cta
+from .tile_macros import any_column_below_from, end_cta
 
 __all__ = [
     "intra_bwd_kernel",
@@ -200,6 +201,7 @@ def intra_bwd_kernel(
     bounded: bool = False,
     block_K: int = 0,
     threads: int = 0,
+    redo: bool = False,
 ):
     """prim_func ``intra_bwd`` for one config (see the module docstring for the call).
 
@@ -208,6 +210,12 @@ def intra_bwd_kernel(
     and dgk (fp32 or dtype); bounded: exponent scheme (see :func:`select_scheme`).
     Schedule knobs (same results): block_K (0: 64; 32 for the bounded scheme at C = 32)
     and threads (0: 128).
+
+    redo (unbounded only): the exact recompute after the bounded kernel (``torch_dplr/ops/
+    gate_bound.py``): a CTA computes its (K-block, head, chunk) only when some column of the
+    forward's chunk totals ``gl`` decays past :func:`bounded_max_decay` (the chunk broke the
+    declared bound); every other CTA, and every empty slot, ends at once and writes nothing.
+    Without redo, ``gl`` is not read.
     """
     dtype = canonical_dtype(dtype)
     gk_dtype = canonical_dtype(gk_dtype)
@@ -217,6 +225,8 @@ def intra_bwd_kernel(
         raise ValueError(f"dtype={dtype} not in {DTYPES}")
     if gk_dtype not in ("float32", dtype):
         raise ValueError(f"gk_dtype={gk_dtype}: must be float32 or dtype={dtype}")
+    if redo and bounded:
+        raise ValueError("redo: only the unbounded scheme recomputes chunks that broke the bound")
     BK = block_K or _default_block_k(C, K, bounded)
     threads = threads or 128
     if BK % 16 or K % BK or BK > 128:
@@ -224,6 +234,7 @@ def intra_bwd_kernel(
     if threads % 32 or threads % BK or (_SUB * BK) % threads or threads < BK:
         raise ValueError(f"threads={threads} must be a multiple of block_K={BK} dividing 16*block_K")
     NK = K // BK
+    any_column_below = any_column_below_from(K, threads)  # the redo form's test
     nb = C // _SUB
     NG = threads // BK  # threads per column in the per-column passes
     stages = tuple(range(nb + 1))  # sub-block stages of the unbounded scheme
@@ -695,6 +706,7 @@ def intra_bwd_kernel(
         a: T.Tensor((B, Tn, H, K), dtype),
         b: T.Tensor((B, Tn, H, K), dtype),
         gk: T.Tensor((B, Tn, H, K), gk_dtype),
+        gl: T.Tensor((B, S, H, K), _ACC),
         dgl: T.Tensor((B, S, H, K), _ACC),
         dA_qk: T.Tensor((B, Tn, H, C), dtype),
         dA_qb: T.Tensor((B, Tn, H, C), dtype),
@@ -721,8 +733,12 @@ def intra_bwd_kernel(
             i_c = bx // (NK * H)
             t0 = chunk_start[i_c]
             L = chunk_len[i_c]
-            if not bounded:
-                if L == 0:  # an empty slot writes nothing (the exact redo of ops/gate_bound.py)
+            if redo:
+                # a launch over every chunk of which few broke the bound: the others end after
+                # reading their K chunk totals
+                broke = T.alloc_local((1,), "int32")
+                any_column_below(gl, i_b, i_c, i_kh // NK, -bounded_max_decay(dtype), broke)
+                if L == 0 or broke[0] == 0:
                     end_cta()
             body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
                  dq, dk, da, db, dgk, i_kh, i_c, i_b, t0, L)
@@ -732,10 +748,13 @@ def intra_bwd_kernel(
 
 def variants():
     """Every config the dispatch can build (the compile test builds them all, the GPU test
-    runs them): C x K x dtype x scheme x gate dtype (gk and dgk in fp32, or the input dtype)."""
+    runs them): C x K x dtype x scheme x gate dtype (gk and dgk in fp32, or the input dtype),
+    and the unbounded scheme's redo form of each."""
     for C, K, dt, bounded in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES, (True, False)):
         for gk_dtype in ("float32", dt):
             yield dict(C=C, K=K, dtype=dt, gk_dtype=gk_dtype, bounded=bounded)
+            if not bounded:  # the exact recompute behind a bounded kernel
+                yield dict(C=C, K=K, dtype=dt, gk_dtype=gk_dtype, bounded=False, redo=True)
 
 
 def ref_program(q, k, a, b, gk, cu_seqlens, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,

@@ -103,7 +103,7 @@ import math
 import tilelang.language as T
 
 from .compile import canonical_dtype, kernel_options
-from .tile_macros import LOG2E, end_cta, gate_scan_from, tf32
+from .tile_macros import LOG2E, any_column_below_from, end_cta, gate_scan_from, tf32
 
 __all__ = [
     "intra_fwd_kernel",
@@ -180,6 +180,7 @@ def intra_fwd_kernel(
     gate_dtype: str = "float32",
     threads: int = 0,
     block_k: int = 0,
+    redo: bool = False,
 ):
     """prim_func ``intra_fwd(...)`` for one config (see the module docstring for the signature).
 
@@ -188,6 +189,12 @@ def intra_fwd_kernel(
     :func:`scheme_for`) or "tiled" (any gate); gate_dtype: dtype of gk (fp32 or dtype).
     Schedule knobs (same results): threads (0 picks the default), block_k (K columns per
     block, 0 picks the default).
+
+    redo (tiled only): the exact recompute after the centred kernel (``torch_dplr/ops/
+    gate_bound.py``). ``gl`` then holds the centred kernel's chunk totals on entry, and a CTA
+    computes its (chunk, head) only when some column decays past :func:`centred_max_decay`
+    (the chunk broke the declared bound); every other CTA, and every empty slot, ends at once
+    and writes nothing.
     """
     dtype = canonical_dtype(dtype)
     gate_dtype = canonical_dtype(gate_dtype)
@@ -201,6 +208,8 @@ def intra_fwd_kernel(
         raise ValueError(f"gate_dtype={gate_dtype}: must be float32 or the input dtype {dtype}")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme={scheme!r} not in {SCHEMES}")
+    if redo and scheme != "tiled":
+        raise ValueError("redo: only the tiled scheme recomputes chunks that broke the bound")
     threads = threads or _default_threads(C)
     BK = block_k or _default_block_k(C, K, scheme)
     if K % BK or BK % 8:
@@ -286,6 +295,7 @@ def intra_fwd_kernel(
 
     # gates in log2 units (0 past L), scanned down the rows in place
     gate_scan = gate_scan_from(C, BK, NSEG, SB, o, centred)
+    any_column_below = any_column_below_from(K, threads)  # the redo form's test
 
     @T.macro
     def store_rows(src, dst, i_b, i_h, t0, L, c0, W):
@@ -589,11 +599,15 @@ def intra_fwd_kernel(
         with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
             t0 = chunk_start[i_c]
             L = chunk_len[i_c]
-            if not centred:
-                # an empty slot only writes gl = 0: skip the rest, so that the exact redo of
-                # torch_dplr/ops/gate_bound.py, a launch over every slot with most of them
-                # emptied, costs next to nothing
-                if L == 0:
+            if redo:
+                # a launch over every (chunk, head) of which few broke the bound: the others
+                # end after reading their K chunk totals
+                broke = T.alloc_local((1,), "int32")
+                any_column_below(gl, i_b, i_c, i_h, -centred_max_decay(), broke)
+                if L == 0 or broke[0] == 0:
+                    end_cta()
+            elif not centred:
+                if L == 0:  # an empty slot only writes gl = 0
                     for c in T.Parallel(K):
                         gl[i_b, i_c, i_h, c] = T.float32(0)
                     end_cta()
@@ -604,10 +618,13 @@ def intra_fwd_kernel(
 
 def variants():
     """Every config the dispatch can build (the compile test builds them all, the GPU test
-    runs them): C x K x dtype x scheme x gate dtype (fp32, or the input dtype)."""
+    runs them): C x K x dtype x scheme x gate dtype (fp32, or the input dtype), and the tiled
+    scheme's redo form of each."""
     for C, K, dt, scheme in itertools.product(CHUNK_SIZES, HEAD_DIMS, DTYPES, SCHEMES):
         for gate_dtype in (_ACC, dt):
             yield dict(C=C, K=K, dtype=dt, scheme=scheme, gate_dtype=gate_dtype)
+            if scheme == "tiled":  # the exact recompute behind a centred kernel
+                yield dict(C=C, K=K, dtype=dt, scheme=scheme, gate_dtype=gate_dtype, redo=True)
 
 
 def ref_program(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound=float("-inf")):

@@ -60,6 +60,25 @@ def gate_scan_from(C: int, width: int, nseg: int, batch: int, offset: int, zero_
     return gate_scan
 
 
+def any_column_below_from(K: int, threads: int):
+    """Macro ``any_column_below(gl, i_b, i_c, i_h, bound, found)``: ``found[0]`` (a local int32)
+    = 1 in every thread of the CTA if some column of the chunk totals ``gl[i_b, i_c, i_h, :K]``
+    is below ``bound``, else 0. One barrier (``__syncthreads_or``), no shared memory; NaN counts
+    as not below."""
+
+    @T.macro
+    def any_column_below(gl, i_b, i_c, i_h, bound, found):
+        tx = T.get_thread_binding()
+        found[0] = 0
+        for j in T.unroll((K + threads - 1) // threads):
+            if tx + j * threads < K:
+                if gl[i_b, i_c, i_h, tx + j * threads] < bound:
+                    found[0] = 1
+        found[0] = T.call_extern("int32", "__syncthreads_or", found[0])
+
+    return any_column_below
+
+
 def zero_rows_from(C: int):
     """Macro ``zero_rows(L, tile)`` for chunks of C rows: in a partial chunk (L < C), zero rows
     L.. of a staged shared tile in place. They hold the next sequence's tokens (copies fetch

@@ -106,24 +106,31 @@ def _rms_ratio(out, ref):
     return err / denom if denom > 0 else err
 
 
-def _run_kernel(cfg, inp, grads, cu, scale):
-    """Launch on the flattened sequence list; returns (dq, dk, da, db, dgk) in the inputs' shapes."""
+def _run_kernel(cfg, inp, grads, cu, scale, gl, outs=None):
+    """Launch on the flattened sequence list; returns (dq, dk, da, db, dgk) in the inputs' shapes
+    (written into ``outs`` when given, else into NaN-filled new tensors)."""
     kern = tlc.build(intra_bwd_kernel, **cfg)
     q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
     B, T = q.shape[:2]
     tables = kernel_tables(cu, B, T, cfg["C"], q.device)
-    outs = [torch.full(x.shape, math.nan, dtype=x.dtype, device=x.device) for x in (q, k, a, b, gk)]
-    inputs = (q, k, a, b, gk, *(grads[n] for n in GRAD_NAMES))
+    if outs is None:
+        outs = [torch.full(x.shape, math.nan, dtype=x.dtype, device=x.device) for x in (q, k, a, b, gk)]
+    inputs = (q, k, a, b, gk, gl, *(grads[n] for n in GRAD_NAMES))
     # contiguous outputs: the [1, B*L, ...] forms are views, the kernel writes into outs
     kern(*map(as_one_sequence_list, inputs), tables.chunk_start, tables.chunk_len, float(scale),
          *map(as_one_sequence_list, outs))
     return outs
 
 
-def _check(cfg, inp, grads, cu, scale, dtype):
-    outs = _run_kernel(cfg, inp, grads, cu, scale)
+def _gl(inp, cu, scale, C):
     q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
-    gl = chunk_intra_fwd_reference(q, k, a, b, gk, cu, scale, cfg["C"], float("-inf"))[0]
+    return chunk_intra_fwd_reference(q, k, a, b, gk, cu, scale, C, float("-inf"))[0]
+
+
+def _check(cfg, inp, grads, cu, scale, dtype):
+    q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
+    gl = _gl(inp, cu, scale, cfg["C"])
+    outs = _run_kernel(cfg, inp, grads, cu, scale, gl)
     ref = chunk_intra_bwd_reference(q, k, a, b, gk, cu, gl, *(grads[n] for n in GRAD_NAMES),
                                     scale, cfg["C"], float("-inf"))
     errors = {}
@@ -152,7 +159,7 @@ def _id(cfg):
 
 
 @pytest.mark.parametrize("layout", ["rect", "varlen"])
-@pytest.mark.parametrize("cfg", list(variants()), ids=_id)
+@pytest.mark.parametrize("cfg", [c for c in variants() if not c.get("redo")], ids=_id)
 def test_variant_small(cfg, layout):
     """Every compiled variant at odd sizes, rect and varlen: T not a multiple of C, varlen with
     1-token, empty and long sequences; random gradients with garbage in the masked dA parts."""
@@ -242,3 +249,31 @@ def test_select_scheme():
     assert not select_scheme(64, "bfloat16", None)
     assert not select_scheme(64, "bfloat16", -math.inf)
     assert not select_scheme(64, "bfloat16", -5.0) and select_scheme(16, "bfloat16", -5.0)
+
+
+@pytest.mark.parametrize("C", [16, 64])
+def test_redo_recomputes_only_chunks_that_broke_the_bound(C):
+    """The bounded kernel, then the redo kernel over its outputs (as ops/intra.py runs them):
+    every (chunk, head) whose gates broke the bound holds the unbounded kernel's gradients, bit
+    for bit; every other one what the bounded kernel wrote."""
+    from csrc_tl.intra_bwd import bounded_max_decay
+    inp = _inputs(2, 300, 4, 64, torch.bfloat16, "rwkv7", None, seed=C)
+    gk = inp["gk"].clone()
+    gk[0, C + 3, 1, 5] = -1e4  # sequence 0, chunk 1, head 1
+    gk[1, 299, 2, 7] = -1e4  # sequence 1, last (partial) chunk, head 2
+    inp = {**inp, "gk": gk}
+    cu, scale = _cu(None), 64 ** -0.5
+    assert select_scheme(C, "bfloat16", RWKV7_BOUND)
+    grads = _random_grads(inp, C, cu, seed=1)
+    gl = _gl(inp, cu, scale, C)
+    base = dict(C=C, K=64, dtype="bfloat16", gk_dtype="float32")
+    bounded = _run_kernel(dict(base, bounded=True), inp, grads, cu, scale, gl)
+    exact = _run_kernel(dict(base, bounded=False), inp, grads, cu, scale, gl)
+    redone = _run_kernel(dict(base, bounded=False, redo=True), inp, grads, cu, scale, gl,
+                         outs=[x.clone() for x in bounded])
+    broke = (gl < -bounded_max_decay(torch.bfloat16)).any(-1)  # [B, chunks, H]
+    assert 0 < int(broke.sum()) < broke.numel(), "the test needs chunks of both kinds"
+    per_token = broke.repeat_interleave(C, dim=1)[:, :300, :, None]
+    for name, got, e, bnd in zip(OUT_NAMES, redone, exact, bounded):
+        assert torch.isfinite(got).all(), f"{name}: non-finite entries left"
+        assert torch.equal(got, torch.where(per_token, e, bnd)), name

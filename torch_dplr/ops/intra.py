@@ -16,7 +16,6 @@ import torch
 from ..reference import intra as ref
 from .chunked import ChunkedView, without_autocast
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
-from .gate_bound import breaking_slots, only_slots
 from .kernels import kernel_for, pipeline
 from .tilelang_path import kernels_apply
 from .varlen import as_one_sequence_list as flat
@@ -80,13 +79,10 @@ def chunk_intra_fwd_cuda(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bo
     outs = allocate(intra_fwd_shapes(q, gk, cu_seqlens, chunk_size), q.device)
     tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
     inputs = tuple(map(flat, (q, k, a, b, gk)))
-    kernel(*inputs, tables.chunk_start, tables.chunk_len, float(scale), *map(flat, outs))
-    if exact is not None:
-        from csrc_tl.intra_fwd import centred_max_decay
-        redo = only_slots(tables, breaking_slots(outs[0], centred_max_decay()))
-        # gl is the same gate sum in both schemes: the exact kernel's copy is dropped
-        exact(*inputs, redo.chunk_start, redo.chunk_len, float(scale),
-              torch.empty_like(flat(outs[0])), *map(flat, outs[1:]))
+    launch = (*inputs, tables.chunk_start, tables.chunk_len, float(scale), *map(flat, outs))
+    kernel(*launch)
+    if exact is not None:  # rewrites the (chunk, head)s whose gl broke the bound (gate_bound.py)
+        exact(*launch)
     return outs
 
 
@@ -127,12 +123,11 @@ def _(q, k, a, b, gk, cu_seqlens, gl, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg,
                                          chunk_size, lower_bound)
     outs = allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
     tables = tables_for(tables, cu_seqlens, B, T, chunk_size, q.device)
-    inputs = tuple(map(flat, (q, k, a, b, gk, *grads)))
-    kernel(*inputs, tables.chunk_start, tables.chunk_len, float(scale), *map(flat, outs))
-    if exact is not None:
-        from csrc_tl.intra_bwd import bounded_max_decay
-        redo = only_slots(tables, breaking_slots(gl, bounded_max_decay(q.dtype)))
-        exact(*inputs, redo.chunk_start, redo.chunk_len, float(scale), *map(flat, outs))
+    inputs = tuple(map(flat, (q, k, a, b, gk, gl, *grads)))
+    launch = (*inputs, tables.chunk_start, tables.chunk_len, float(scale), *map(flat, outs))
+    kernel(*launch)
+    if exact is not None:  # rewrites the (chunk, head)s whose gl broke the bound (gate_bound.py)
+        exact(*launch)
     return outs
 
 

@@ -94,10 +94,10 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
     # the exact schemes, for the chunks whose gates break the bound (ops/gate_bound.py)
     if kernels["intra_fwd"][1]["scheme"] != "tiled":
         kernels["intra_fwd_exact"] = (intra_fwd.intra_fwd_kernel,
-                                      dict(kernels["intra_fwd"][1], scheme="tiled"))
+                                      dict(kernels["intra_fwd"][1], scheme="tiled", redo=True))
     if kernels["intra_bwd"][1]["bounded"]:
         kernels["intra_bwd_exact"] = (intra_bwd.intra_bwd_kernel,
-                                      dict(kernels["intra_bwd"][1], bounded=False))
+                                      dict(kernels["intra_bwd"][1], bounded=False, redo=True))
     if _fused_fwd_built(C, K, V, dtype, lower_bound) and gdt in ("float32", dt):
         kernels["fused_fwd"] = (_family("fused_fwd").fused_fwd_kernel,
                                 dict(C=C, K=K, V=V, dtype=dt, gate_dtype=gdt))
