@@ -740,6 +740,9 @@ def intra_bwd_kernel(
                 any_column_below(gl, i_b, i_c, i_kh // NK, -bounded_max_decay(dtype), broke)
                 if L == 0 or broke[0] == 0:
                     end_cta()
+            elif not bounded:
+                if L == 0:  # an empty slot writes nothing
+                    end_cta()
             body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
                  dq, dk, da, db, dgk, i_kh, i_c, i_b, t0, L)
 
