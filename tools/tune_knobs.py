@@ -15,6 +15,7 @@ import json
 import torch
 
 from benchmarks.cells import Cell, Shape
+from benchmarks.harness import run_meta
 from benchmarks.inputs import make
 from benchmarks.stages import FUSED, stage_calls
 from benchmarks.timing import Timer
@@ -65,6 +66,7 @@ def main():
     cell = Cell(Shape(args.B, args.T, args.H, args.D), args.chunk, "rwkv7", False, "stage")
     inp = make(cell.shape, "rwkv7", "cuda")
     timer = Timer("cuda")
+    meta = run_meta(torch.device("cuda"), None)  # the card and commit each record names
     for candidate in args.candidates:
         op, knobs = parse(candidate)
         base = run_op(cell, inp, op)
@@ -82,7 +84,7 @@ def main():
             record = dict(op=op, knobs=knobs, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
             kernels.pipeline, kernels._kernels = default, {}
-        print(json.dumps({"cell": cell.id, **record}), flush=True)
+        print(json.dumps({"cell": cell.id, **record, **meta}), flush=True)
 
 
 if __name__ == "__main__":
