@@ -314,11 +314,13 @@ def test_prewarm_jobs_keep_each_layout_short():
         assert job["T"] <= full.T and job["T"] % 64 == 0
         if job["N"] is not None:  # every sequence keeps some tokens
             assert job["T"] >= 64 * job["N"]
-    # torch_dplr: six kernels per (chunk size, head dim, gate bound) in the envelope
-    # (rwkv7: 3 chunk sizes x 2 head dims, unbounded: 2 x 2), and the two exact intra kernels
-    # of the rwkv7 configurations, which are the unbounded ones except at the chunk size no
-    # unbounded cell runs (2 head dims x 2 kernels)
-    assert len(prewarm.dplr_items(envelope)) <= 6 * 10 + 2 * 2
+    # torch_dplr, over the envelope's 6 (chunk size, head dim) pairs and 10 (chunk size, head
+    # dim, gate bound) configurations (rwkv7: 3 chunk sizes x 2 head dims, unbounded: 2 x 2):
+    # WY forward and backward, state forward and backward and the two split state-backward
+    # kernels per pair (both gate styles share them); the two intra kernels per configuration;
+    # the two exact intra kernels of each rwkv7 configuration, in their redo form; the fused
+    # forward (chunk 64, D64, rwkv7)
+    assert len(prewarm.dplr_items(envelope)) == 6 * 6 + 10 * 2 + 6 * 2 + 1
 
 
 def test_prewarm_tunes_nothing_it_would_drop():
