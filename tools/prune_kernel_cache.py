@@ -1,10 +1,10 @@
-"""Copies the live part of a TileLang kernel cache, for carrying to a GPU machine.
+"""Packs the live part of a TileLang kernel cache, for carrying to a GPU machine.
 
 A cache filled by ``python -m torch_dplr precompile`` keeps every kernel it ever compiled: after
 a kernel edit the old builds stay, and the carried bundle grows past its size limit. This loads
 every variant of every kernel family (and any ``--extra`` configurations, e.g. the schedule knobs
 ``tools/tune_knobs.py`` will time) from the cache, records which kernel directories TileLang
-reads, and copies only those, with torch_dplr's build markers and without the compile-time
+reads, and packs only those, with torch_dplr's build markers and without the compile-time
 ``cuda-binaries`` folder and the traced TIR (a machine retraces in well under a second), into
 ``--out`` as a tar.xz. Nothing is compiled: a variant missing from the cache is an error.
 
@@ -17,9 +17,7 @@ import argparse
 import glob
 import importlib
 import os
-import shutil
-import subprocess
-import tempfile
+import tarfile
 
 import tilelang.cache.kernel_cache as tl_cache
 
@@ -67,20 +65,15 @@ def main():
                    help="family:key=value,... a configuration beyond the families' variants()")
     args = p.parse_args()
     items = _items(args.extra)
-    keys = live_keys(items)
-    markers = {os.path.basename(tlc._marker(f, tlc.cache_key(f, c))) for f, c in items}
     src = tlc._cache_dir()
-    found = glob.glob(os.path.join(src, "*", "*", "kernels", next(iter(keys))))
-    kernels = os.path.relpath(os.path.dirname(found[0]), src)  # <version>/<platform>/kernels
-    with tempfile.TemporaryDirectory() as dst:
-        for key in keys:
-            shutil.copytree(os.path.join(src, kernels, key), os.path.join(dst, kernels, key))
-        os.makedirs(os.path.join(dst, "torch_dplr-built"))
-        for marker in markers:
-            shutil.copy2(os.path.join(src, "torch_dplr-built", marker),
-                         os.path.join(dst, "torch_dplr-built", marker))
-        subprocess.run(f"tar -C {dst} -cf - . | xz -6 -T0 > {args.out}", shell=True, check=True)
-    print(f"{len(items)} kernels ({len(keys)} distinct), {os.path.getsize(args.out) / 1e6:.1f} MB: {args.out}")
+    # TileLang keeps a kernel in <version>/<platform>/kernels/<key>
+    paths = [path for key in live_keys(items)
+             for path in glob.glob(os.path.join(src, "*", "*", "kernels", key))]
+    paths += [tlc._marker(f, tlc.cache_key(f, c)) for f, c in items]
+    with tarfile.open(args.out, "w:xz", preset=6) as tar:
+        for path in paths:
+            tar.add(path, arcname=os.path.relpath(path, src))
+    print(f"{len(items)} kernels, {os.path.getsize(args.out) / 1e6:.1f} MB: {args.out}")
 
 
 if __name__ == "__main__":
