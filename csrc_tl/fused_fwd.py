@@ -278,15 +278,11 @@ def fused_fwd_kernel(
 
     @T.macro
     def operands_all(G, q_t, a_t, b_t, k_t, Qc, Ac, Bc, Kc, c0):
-        """The centred tf32 operands of all four intra products for columns c0..c0+BK-1."""
+        """The centred tf32 operands of all four intra products for columns c0..c0+BK-1: those
+        of A_qk / A_qb, and Ac as :func:`operands_ab_ak` forms it."""
+        operands_qk_qb(G, q_t, b_t, k_t, Qc, Bc, Kc, c0)
         for r, c in T.Parallel(C, BK):
-            gi = G[r + 1, c0 + c]
-            gm = G[mid + 1, c0 + c]
-            f = T.exp2(gm - gi)
-            Qc[r, c] = tf32(T.Cast(f32, q_t[r, c0 + c]) * T.exp2(gi - gm))
-            Ac[r, c] = tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - gm))
-            Bc[r, c] = tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
-            Kc[r, c] = tf32(T.Cast(f32, k_t[r, c0 + c]) * f)
+            Ac[r, c] = tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - G[mid + 1, c0 + c]))
 
     @T.macro
     def four_products(G, q_t, a_t, b_t, k_t, Qc, Ac, Bc, Kc, Fqb, Fqk, Fab, Fak):
