@@ -102,12 +102,13 @@ def test_broken_bound_gives_the_unbounded_result(grad, chunk_size, K, layout, fa
 @pytest.mark.parametrize("layout", ["rect", "varlen"])
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 def test_broken_bound_in_the_two_op_pass(chunk_size, layout, factor, monkeypatch):
-    """The two-op training pass (``TORCH_DPLR_TRAINING_PASS=split``: the Triton split kernels
-    at K = 64) with the bound declared against the stage pass without one."""
+    """The two-op training pass (``TORCH_DPLR_TRAINING_PASS=split``: the stage kernels inside
+    two ops at K = 64) with the bound declared against the stage pass without one."""
     from torch_dplr.ops import dataflow
 
     inp, cu = inputs(layout, 64, factor)
-    assert dataflow.split_kernels_apply(inp["q"], inp["v"], inp["gk"], _offsets(cu))
+    assert not dataflow.runs_split_kernels(inp["q"], inp["v"], inp["gk"], _offsets(cu),
+                                           chunk_size)
     unbounded = call(inp, cu, chunk_size, None, True)
     monkeypatch.setenv(dataflow.TRAINING_PASS_VAR, "split")
     bounded = call(inp, cu, chunk_size, RWKV7_BOUND, True)

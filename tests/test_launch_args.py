@@ -92,6 +92,35 @@ def test_every_launch_binds_to_its_kernel(launches, C, K, dtype, gate_dtype, gat
     assert set(launched) == want
 
 
+@pytest.mark.parametrize("C", [16, 64])
+def test_two_op_pass_launches_the_stage_kernels(launches, C, monkeypatch):
+    """``TORCH_DPLR_TRAINING_PASS=split``: the two ops' bodies launch the stage pass's kernels,
+    plus the forward's once more (the backward recomputes it), every launch bound as on the
+    GPU."""
+    from torch_dplr.ops import dataflow
+    launched, _ = launches
+    inp = make_inputs(2, 100, 2, 64, dtype=torch.bfloat16)
+    leaves = [inp[n].requires_grad_() for n in ("q", "k", "v", "a", "b", "gk", "initial_state")]
+
+    def step(training_pass):
+        monkeypatch.setenv(dataflow.TRAINING_PASS_VAR, training_pass)
+        launched.clear()
+        o, ht = torch_dplr.chunk_dplr_delta_rule(*leaves[:6], initial_state=leaves[6],
+                                                 output_final_state=True, chunk_size=C,
+                                                 lower_bound=RWKV7_BOUND)
+        (o.float().sum() + ht.sum()).backward()
+        return sorted(launched)
+
+    stages = step("stages")
+    with torch.no_grad():
+        launched.clear()
+        torch_dplr.chunk_dplr_delta_rule(*leaves[:6], initial_state=leaves[6], chunk_size=C,
+                                         lower_bound=RWKV7_BOUND)
+    forward = [op for op in launched if op != "fused_fwd"]  # no-grad: the staged forward here
+    assert "intra_fwd" in forward and "state_fwd" in forward
+    assert step("split") == sorted(stages + forward)
+
+
 def test_a_wrong_launch_is_named():
     """The checks fail where the real launch would: each with the parameter's name."""
     factory, config = kernels.pipeline(64, 64, 64, torch.bfloat16, torch.float32,

@@ -4,9 +4,11 @@
 * Through the public function, the split pass gives the stage ops' o, final state and every
   gradient (fp64: the same arithmetic, so equal to round-off), rect and varlen, chunks 16 / 32
   / 64, with and without an initial state, a bound, a final-state gradient.
-* The ops' CUDA bodies (the Triton split kernels) run on CPU tensors under Triton's
+* The ops' CUDA bodies at K = 32 (the Triton split kernels) run on CPU tensors under Triton's
   interpreter and meet the suite's bf16 bars against the fp64 recurrence, a broken bound and
   unbounded gates included; their stage fallback (fp32 here) equals the PyTorch kernel.
+  Where the TileLang stage kernels apply the bodies call them instead: their launches are
+  checked on the CPU in tests/test_launch_args.py.
 * A bad ``TORCH_DPLR_TRAINING_PASS`` names the variable and the choices.
 
 opcheck covers both ops (tests/test_opcheck.py), the policies and compile
@@ -118,7 +120,7 @@ def test_cuda_bodies_meet_the_bars(case):
     if options.get("spikes"):
         x["gk"][0, 5::29, 0, ::7] = -1e4
     cu_t = torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu)
-    assert dataflow.split_kernels_apply(x["q"], x["v"], x["gk"], cu_t)
+    assert dataflow.runs_split_kernels(x["q"], x["v"], x["gk"], cu_t, C)
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(x["v"].shape, generator=gen).to(x["v"].dtype)
     dht = torch.randn(x["initial_state"].shape, generator=gen)
@@ -160,9 +162,9 @@ def test_cuda_bodies_fall_back_to_the_stages():
 @pytest.mark.parametrize("cu,gate_scale", [(None, 1.0), ([0, 5, 1500, 1501, 4096], 10.0)],
                          ids=["rect", "varlen-broken-bound"])
 def test_split_pass_on_the_gpu(C, cu, gate_scale, monkeypatch):
-    """On the GPU (the Triton split kernels) against the same call in fp64 (the stage ops'
-    PyTorch kernels): every output and gradient finite and within the bf16 bars, at D 64 with
-    RWKV-7 gates (times ``gate_scale``: 10 breaks the declared bound)."""
+    """On the GPU (the TileLang stage kernels inside the two ops at D 64) against the same
+    call in fp64 (the stage ops' PyTorch kernels): every output and gradient finite and within
+    the bf16 bars, with RWKV-7 gates (times ``gate_scale``: 10 breaks the declared bound)."""
     B, T = (2, 2048) if cu is None else (1, 4096)
     x = make_inputs(B, T, 4, 64, dtype=torch.bfloat16, seed=C, device="cuda",
                     num_states=B if cu is None else len(cu) - 1)

@@ -37,10 +37,13 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_dplr
 from torch_dplr import policies
+from torch_dplr.ops.dataflow import training_pass
 from torch_dplr.testing import CUDA_BODY_OPS, RWKV7_BOUND, cuda_op_bodies_on_cpu
 
-# the stage ops (the no-grad op is not timed: its body calls the stage functions directly)
-STAGE_OPS = tuple(op for op in CUDA_BODY_OPS if op != "chunk_fwd_fused")
+# the stage ops (the others call the stage functions directly: the no-grad op is not timed, the
+# two-op pass's ops keep their bodies in both variants)
+STAGE_OPS = tuple(op for op in CUDA_BODY_OPS
+                  if op not in ("chunk_fwd_fused", "chunk_fwd", "chunk_bwd"))
 
 
 def _no_launch(*args):
@@ -113,7 +116,7 @@ def main():
     empty = {name: _allocating_only(name, body) for name, body in cuda_bodies.items()}
     with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
         lib = torch.library.Library("dplr", "IMPL")  # swaps the bodies of the two variants
-        result = {"shape": [B, T, H, D], "chunk": C,
+        result = {"shape": [B, T, H, D], "chunk": C, "training_pass": training_pass(),
                   **_time_both(lib, cuda_bodies, empty, steps)}
     print(json.dumps(result))
 

@@ -17,8 +17,9 @@ other ``dplr`` forward op in the checkpointed region is recomputed in the backwa
   (Every policy keeps the call's chunk tables, ``dplr::chunk_tables``: a few KB.)
 - ``"save_state"``: keep the state pass (o, per-chunk states, v_new), recompute the cheap
   intra-chunk and WY stages (FLA's default recompute trade).  In the two-op training pass
-  (``TORCH_DPLR_TRAINING_PASS=split``) keep ``chunk_fwd``'s chunk-start states: its backward
-  recomputes the chunk-local terms from them either way.
+  (``TORCH_DPLR_TRAINING_PASS=split``) keep ``chunk_fwd``'s outputs: its backward recomputes
+  the chunk-local terms either way (on the TileLang stage kernels the whole forward, the
+  states included; the Triton split kernels start from the kept states).
 - ``"save_all"``: keep every stage; only the non-``dplr`` ops of the region are recomputed.
 
 Ops outside the ``dplr`` namespace are recomputed unless listed in ``extra_save_ops``

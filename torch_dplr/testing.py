@@ -169,9 +169,10 @@ def forbid_pytorch_stages():
             setattr(module, name, original)
 
 
-# the ops whose CUDA function launches TileLang kernels (the stage ops and the no-grad op)
+# the ops whose CUDA function launches TileLang kernels (the stage ops, the no-grad op, the
+# two-op training pass)
 CUDA_BODY_OPS = ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "chunk_intra_bwd",
-                 "chunk_wy_bwd", "chunk_state_bwd", "chunk_fwd_fused")
+                 "chunk_wy_bwd", "chunk_state_bwd", "chunk_fwd_fused", "chunk_fwd", "chunk_bwd")
 
 
 @contextlib.contextmanager

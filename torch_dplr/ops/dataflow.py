@@ -3,27 +3,30 @@
 The six stage ops (``chunk_intra_fwd``, ``chunk_wy_fwd``, ``chunk_state_fwd`` and their
 backward ops) hand every chunk-local term to the next stage through HBM and keep them for the
 backward: 12.5 GB per forward+backward at B8 T4096 H32 D64 (docs/training_dataflow.md).  These
-two ops keep the chunk-local terms inside their kernels instead:
+two ops keep nothing of the chunk-local terms between the passes:
 
-- ``chunk_fwd`` writes ``o``, the final state and the state at every chunk start (fp32
+- ``chunk_fwd`` returns ``o``, the final state and the state at every chunk start (fp32
   ``[B, slots, H, K, V]``, the layout of ``chunk_state_fwd``'s ``h``): nothing else of the
   forward survives it;
 - ``chunk_bwd`` takes the inputs, the kept states, ``do`` and ``dht`` and recomputes every
-  chunk-local term from them.
+  chunk-local term.
 
 Save-versus-recompute stays a checkpoint policy: ``save_state`` keeps ``chunk_fwd``'s outputs
 (the states), ``recompute_all`` runs the forward again inside the backward.
 
-Kernels.  On CUDA (bf16 data, fp32 or bf16 gates, K = V in
-:data:`~torch_dplr.ops.triton_path.SWEEP_HEAD_DIMS`) the Triton split kernels run: every
-16-row tile's terms in parallel, then one walk of the state per (sequence, head) (forward,
-:func:`csrc_triton.state_sweep.split_forward`), and in the backward the terms again, a walk of
-the state gradient alone, then every chunk's gradients in parallel
-(:func:`csrc_triton.chunk_grads.split_backward`).  Both give the results of the staged ops
-within bf16 rounding, in every gate regime (a declared bound only lets them try centred
-products first, per tile, with exact recompute where a tile breaks it; no host sync).
-Elsewhere (other dtypes or head dims, the CPU) the op runs the stage ops in sequence, the
-backward recomputing the forward stages first: the same results, never a wrong one.
+Kernels.  On CUDA the two ops run the six stage kernels inside their bodies, called as
+functions past the dispatcher: three custom-op calls a forward+backward (with the chunk
+tables) instead of seven, so far less host time per step
+(``TORCH_DPLR_TRAINING_PASS=split python tools/host_sim.py``), for more GPU time: the backward
+runs the three forward stage kernels again before the three backward ones (the states
+``chunk_fwd`` kept are not read on this path).  Where the TileLang stage kernels do not apply
+but the Triton split kernels do (bf16 data at K = V = 32, :func:`runs_split_kernels`) those
+run: every 16-row tile's terms in parallel, then one walk of the state per (sequence, head)
+(forward, :func:`csrc_triton.state_sweep.split_forward`), and in the backward the terms
+again, a walk of the state gradient alone from the kept states, then every chunk's gradients
+in parallel (:func:`csrc_triton.chunk_grads.split_backward`), within bf16 rounding of the
+staged ops in every gate regime.  Elsewhere (other dtypes or head dims, the CPU) the stage
+functions fall back to their PyTorch kernels: the same results, never a wrong one.
 
 Which pass a public call composes (:func:`training_pass`) is decided when the call is made (when
 a compiled graph is traced) from ``TORCH_DPLR_TRAINING_PASS``: ``stages`` (the default) or
@@ -36,14 +39,18 @@ import torch
 from torch import Tensor
 
 from .chunked import without_autocast
-from .intra import chunk_intra_bwd_reference, chunk_intra_fwd_reference
+from .intra import (chunk_intra_bwd_cuda, chunk_intra_bwd_reference, chunk_intra_fwd_cuda,
+                    chunk_intra_fwd_reference)
 from .shapes import (allocate, chunk_bwd_shapes, chunk_fwd_shapes, num_sequences,
                      zeros_for_missing)
-from .state import chunk_state_bwd_reference, chunk_state_fwd_reference
+from .state import (chunk_state_bwd_cuda, chunk_state_bwd_reference, chunk_state_fwd_cuda,
+                    chunk_state_fwd_reference)
+from .tilelang_path import kernels_apply
 from .triton_path import sweep_kernels_apply
 from .varlen import as_one_sequence_list as flat
 from .varlen import tables_for
-from .wy import chunk_wy_bwd_reference, chunk_wy_fwd_reference
+from .wy import (chunk_wy_bwd_cuda, chunk_wy_bwd_reference, chunk_wy_fwd_cuda,
+                 chunk_wy_fwd_reference)
 
 #: Environment variable choosing the training pass of the public chunked calls.
 TRAINING_PASS_VAR = "TORCH_DPLR_TRAINING_PASS"
@@ -63,17 +70,13 @@ def training_pass() -> str:
 
 
 class _Stages:
-    """The stage ops' kernels in sequence: the PyTorch kernels (``reference=True``) or the
-    ops as dispatched (their CUDA kernels on CUDA tensors)."""
+    """The six stage functions in sequence: the stage ops' PyTorch kernels, or their CUDA
+    functions called as functions (the two ops are already past the dispatcher; each stage
+    dispatch would cost its own host time)."""
 
-    def __init__(self, reference: bool):
-        ops = torch.ops.dplr
-        self.intra_fwd = chunk_intra_fwd_reference if reference else ops.chunk_intra_fwd
-        self.wy_fwd = chunk_wy_fwd_reference if reference else ops.chunk_wy_fwd
-        self.state_fwd = chunk_state_fwd_reference if reference else ops.chunk_state_fwd
-        self.intra_bwd = chunk_intra_bwd_reference if reference else ops.chunk_intra_bwd
-        self.wy_bwd = chunk_wy_bwd_reference if reference else ops.chunk_wy_bwd
-        self.state_bwd = chunk_state_bwd_reference if reference else ops.chunk_state_bwd
+    def __init__(self, intra_fwd, wy_fwd, state_fwd, intra_bwd, wy_bwd, state_bwd):
+        self.intra_fwd, self.wy_fwd, self.state_fwd = intra_fwd, wy_fwd, state_fwd
+        self.intra_bwd, self.wy_bwd, self.state_bwd = intra_bwd, wy_bwd, state_bwd
 
     def forward(self, q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size,
                 lower_bound, use_initial_state, tables):
@@ -88,7 +91,9 @@ class _Stages:
 
     def backward(self, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
                  chunk_size, lower_bound, use_initial_state, use_dht, tables):
-        """dq, dk, dv, da, db, dgk, dh0 by the chain rule through the recomputed stages."""
+        """dq, dk, dv, da, db, dgk, dh0 by the chain rule through the recomputed stages (the
+        stage backward functions allocate them in ``chunk_bwd_shapes``' shapes and dtypes
+        already; dh0: ``initial_state``'s, or size 0)."""
         intra, wy, state = self.forward(q, k, v, a, b, gk, initial_state, cu_seqlens, scale,
                                         chunk_size, lower_bound, use_initial_state, tables)
         gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = intra
@@ -105,6 +110,13 @@ class _Stages:
         return dq, dk, dv + dv_wy, da, db, dgk, dh0
 
 
+REFERENCE_STAGES = _Stages(chunk_intra_fwd_reference, chunk_wy_fwd_reference,
+                           chunk_state_fwd_reference, chunk_intra_bwd_reference,
+                           chunk_wy_bwd_reference, chunk_state_bwd_reference)
+CUDA_STAGES = _Stages(chunk_intra_fwd_cuda, chunk_wy_fwd_cuda, chunk_state_fwd_cuda,
+                      chunk_intra_bwd_cuda, chunk_wy_bwd_cuda, chunk_state_bwd_cuda)
+
+
 # --------------------------------------------------------------------------- the ops
 
 
@@ -113,7 +125,7 @@ def chunk_fwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g
                         initial_state: Tensor, cu_seqlens: Tensor, scale: float,
                         chunk_size: int, lower_bound: float, use_initial_state: bool,
                         tables: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    _intra, _wy, (o, ht, h, _v_new) = _Stages(reference=True).forward(
+    _intra, _wy, (o, ht, h, _v_new) = REFERENCE_STAGES.forward(
         q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
         use_initial_state, tables)
     return o, ht, h
@@ -129,9 +141,19 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bou
 
 
 def split_kernels_apply(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor) -> bool:
-    """The Triton split kernels run the call (:func:`sweep_kernels_apply`; the initial state,
-    of any float dtype, is read as fp32).  Shapes, dtypes and the device only."""
+    """The Triton split kernels can run the call (:func:`sweep_kernels_apply`; the initial
+    state, of any float dtype, is read as fp32).  Shapes, dtypes and the device only."""
     return sweep_kernels_apply(q, v, gk, num_sequences(q, cu_seqlens))
+
+
+def runs_split_kernels(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor,
+                       chunk_size: int) -> bool:
+    """The Triton split kernels run a CUDA call of the two ops only where the TileLang stage
+    kernels do not apply (K = V = 32): where both apply the stage kernels are faster (at B8
+    T4096 H32 D64, chunk 64, on an H100, forward+backward 6.0 ms through the stage ops against
+    about 14 ms for the split kernels, docs/training_dataflow.md)."""
+    return (split_kernels_apply(q, v, gk, cu_seqlens)
+            and not kernels_apply(q, chunk_size, q.shape[-1], v.shape[-1]))
 
 
 # The split kernels' knobs.  A walk step per 16-row tile at every chunk size: at B8 T4096 H32
@@ -148,8 +170,8 @@ BACKWARD_STAGES = 1
 @without_autocast
 def chunk_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size,
                    lower_bound, use_initial_state, tables=None):
-    if not split_kernels_apply(q, v, gk, cu_seqlens):
-        _intra, _wy, (o, ht, h, _v_new) = _Stages(reference=False).forward(
+    if not runs_split_kernels(q, v, gk, cu_seqlens, chunk_size):
+        _intra, _wy, (o, ht, h, _v_new) = CUDA_STAGES.forward(
             q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
             use_initial_state, tables)
         return o, ht, h
@@ -174,17 +196,9 @@ def chunk_bwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # the PyTorch kernel recomputes the states with the rest of the forward (``states`` is the
     # kernels' shortcut to the same values)
-    return _stage_gradients(True, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
-                            chunk_size, lower_bound, use_initial_state, use_dht, tables)
-
-
-def _stage_gradients(reference, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
-                     chunk_size, lower_bound, use_initial_state, use_dht, tables):
-    """The gradients through the stage ops: the stage backward ops allocate them in
-    ``chunk_bwd_shapes``' shapes and dtypes already (dh0: ``initial_state``'s, or size 0)."""
-    return _Stages(reference).backward(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
-                                       scale, chunk_size, lower_bound, use_initial_state,
-                                       use_dht, tables)
+    return REFERENCE_STAGES.backward(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
+                                     scale, chunk_size, lower_bound, use_initial_state, use_dht,
+                                     tables)
 
 
 chunk_bwd = torch.library.custom_op("dplr::chunk_bwd", mutates_args=())(chunk_bwd_reference)
@@ -201,10 +215,11 @@ def _(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale, chun
 @without_autocast
 def chunk_bwd_cuda(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale,
                    chunk_size, lower_bound, use_initial_state, use_dht, tables=None):
-    if not split_kernels_apply(q, v, gk, cu_seqlens):
-        return _stage_gradients(False, q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
-                                scale, chunk_size, lower_bound, use_initial_state, use_dht,
-                                tables)
+    if not runs_split_kernels(q, v, gk, cu_seqlens, chunk_size):
+        # recomputes the whole forward (the state kernel's v_new included) from the inputs
+        return CUDA_STAGES.backward(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht,
+                                    scale, chunk_size, lower_bound, use_initial_state, use_dht,
+                                    tables)
     from csrc_triton import chunk_grads
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -113,8 +113,8 @@ def _(q, k, a, b, gk, cu_seqlens, *rest):
 
 @chunk_intra_bwd.register_kernel("cuda")
 @without_autocast
-def _(q, k, a, b, gk, cu_seqlens, gl, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,
-      scale, chunk_size, lower_bound, tables=None):
+def chunk_intra_bwd_cuda(q, k, a, b, gk, cu_seqlens, gl, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg,
+                         dkg, dag, dbg, scale, chunk_size, lower_bound, tables=None):
     grads = (dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg)
     B, T, _, K = q.shape
     kernel, exact = _kernels("intra_bwd", q, gk, chunk_size, lower_bound)

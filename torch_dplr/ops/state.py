@@ -143,8 +143,8 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
 
 @chunk_state_bwd.register_kernel("cuda")
 @without_autocast
-def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens, chunk_size,
-      use_initial_state, use_dht, tables=None):
+def chunk_state_bwd_cuda(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state,
+                         cu_seqlens, chunk_size, use_initial_state, use_dht, tables=None):
     B, T, H, K = qg.shape
     V = v.shape[-1]
     reference = (qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seqlens,

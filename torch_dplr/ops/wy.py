@@ -74,7 +74,7 @@ def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size, tables=None):
 
 @chunk_wy_bwd.register_kernel("cuda")
 @without_autocast
-def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size, tables=None):
+def chunk_wy_bwd_cuda(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size, tables=None):
     B, T, _, K = ag.shape
     V = v.shape[-1]
     applies = kernels_apply(v, chunk_size, K, V) and A_ab_inv.dtype == acc_dtype(v.dtype)
