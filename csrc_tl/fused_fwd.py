@@ -145,9 +145,9 @@ def fused_fwd_kernel(
     BV: int = 0,
     threads: int = 128,
     min_blocks: int = 2,
-    block_k: int = 32,
+    block_k: int = 16,
     trim_chain: bool = False,
-    share_operands: bool = False,
+    share_operands: bool = True,
     skip: str = "",
 ):
     """prim_func ``fused_fwd(...)`` for one config (signature in the module docstring).
@@ -161,8 +161,9 @@ def fused_fwd_kernel(
     trim_chain (contract the inverse chain's products only over the 16-row blocks that can be
     nonzero: -37% of its tensor work; see :func:`chain_ranges`); share_operands (form the
     centred Qc, Ac, Bc, Kc once per column block and issue the four intra products together
-    into four accumulators, instead of two passes that form Bc and Kc twice: 64 more fp32
-    registers a thread at 128 threads, meant for ``threads=256``).
+    into four accumulators, instead of two passes that form Bc and Kc twice).  The defaults,
+    one warpgroup with shared operands over 16-column blocks, were the fastest of the knobs
+    at B8 T4096 H32 D64 (docs/training_dataflow.md, "Where the fused forward's time goes").
 
     skip: for timing only (``tools/tune_knobs.py fused_fwd:skip=wy+state``): phases of the
     chunk step left out, ``+``-separated from ``intra``, ``wy``, ``state``. The kernel then

@@ -166,14 +166,18 @@ def test_varlen_many_short_sequences_fp16():
     check(f"varlen {len(lens)} seqs H4 fp16", inp, use_h0=False)
 
 
-# ---- schedule knobs: V-blocks recompute the chunk-local work; narrower intra steps; the
-# inverse chain contracted over its nonzero blocks only; two warpgroups per CTA; the four intra
-# products from one set of operands (same answer up to summation order) ----
+# ---- schedule knobs: the intra products in two passes (operands formed twice) over 32- or
+# 16-column blocks; V-blocks recompute the chunk-local work; the inverse chain contracted over
+# its nonzero blocks only; two warpgroups per CTA (same answer up to summation order) ----
 
-@pytest.mark.parametrize("knobs", [dict(BV=32), dict(block_k=16), dict(trim_chain=True),
-                                   dict(threads=256), dict(threads=256, min_blocks=1),
-                                   dict(threads=256, share_operands=True),
-                                   dict(share_operands=True, block_k=16)])
+SEPARATE = dict(share_operands=False, block_k=32)  # two passes over 32-column blocks
+
+
+@pytest.mark.parametrize("knobs", [SEPARATE, dict(share_operands=False, block_k=16),
+                                   dict(SEPARATE, BV=32), dict(SEPARATE, trim_chain=True),
+                                   dict(SEPARATE, threads=256),
+                                   dict(SEPARATE, threads=256, min_blocks=1),
+                                   dict(threads=256, block_k=32)])
 def test_schedule_knobs(knobs):
     inp = inputs(1, 1000, 4, 64, BF16)
     check("B1 T1000 H4", inp, **knobs)
