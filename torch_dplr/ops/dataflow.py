@@ -16,10 +16,11 @@ Save-versus-recompute stays a checkpoint policy: ``save_state`` keeps ``chunk_fw
 
 Kernels.  On CUDA the two ops run the six stage kernels inside their bodies, called as
 functions past the dispatcher: three custom-op calls a forward+backward (with the chunk
-tables) instead of seven, so far less host time per step
-(``TORCH_DPLR_TRAINING_PASS=split python tools/host_sim.py``), for more GPU time: the backward
-runs the three forward stage kernels again before the three backward ones (the states
-``chunk_fwd`` kept are not read on this path).  Where the TileLang stage kernels do not apply
+tables) instead of seven.  That saves host time under a checkpoint policy (no ``dplr`` op is
+replayed), not without one, where the stage bodies dominate it (tools/host_probe.py,
+docs/training_dataflow.md); and it costs GPU time: the backward runs the three forward stage
+kernels again before the three backward ones (the states ``chunk_fwd`` kept are not read on
+this path).  Where the TileLang stage kernels do not apply
 but the Triton split kernels do (bf16 data at K = V = 32, :func:`runs_split_kernels`) those
 run: every 16-row tile's terms in parallel, then one walk of the state per (sequence, head)
 (forward, :func:`csrc_triton.state_sweep.split_forward`), and in the backward the terms
