@@ -101,11 +101,15 @@ def measure_layer(fla, timer: Timer, device, B=8, T=4096, hidden=2048, head_dim=
     base = dict(kind="layer", B=B, T=T, hidden=hidden, head_dim=head_dim,
                 heads=hidden // head_dim, dtype="bfloat16", fuse_norm=True, layer_idx=1)
 
+    # FLA 0.6.0's fused addcmul backward (fla/ops/rwkv7/fused_addcmul.py, addcmul_bwd1 with
+    # inplace=True) writes the hidden-state gradient into the layer's input: every call gets its
+    # own copy of x, as a layer inside a model gets a fresh activation (an x reused across
+    # calls grows with each forward+backward until it, and both layers' outputs, are NaN)
     def forward():
-        return layer(x, v_first=v_first)[0]
+        return layer(x.clone(), v_first=v_first)[0]
 
     def forward_backward():
-        layer(x, v_first=v_first)[0].backward(do)
+        layer(x.clone(), v_first=v_first)[0].backward(do)
         # dropped at the end, so no rep (nor the peak-memory call) starts holding them
         layer.zero_grad(set_to_none=True)
         x.grad = v_first.grad = None
