@@ -8,8 +8,7 @@ module under ``torch_dplr.patch_fla()``, in one process on the same inputs.
   every rep).  ``o_rms_ratio``: RMS(o - o_FLA) / RMS(o_FLA) of the two forwards;
   ``fla_o_nonfinite`` / ``torch_dplr_o_nonfinite``: how many elements of each output are not
   finite (a NaN ratio means some are); where FLA's is not, ``fla_first_nonfinite`` names the
-  first submodule whose output is not finite, and ``finite_before_after_timing`` whether the
-  layer's parameters and inputs were finite before and after the timed calls.
+  first submodule whose output is not finite.
 - ``kind: "generate"``: a small ``RWKV7ForCausalLM``'s greedy ``generate`` (``GENERATE``
   below): the prompt's prefill on ``chunk_rwkv7``, then one decode step per token on
   ``fused_mul_recurrent_rwkv7``.  ``*_tokens_per_s``: batch x new tokens per
@@ -101,22 +100,20 @@ def measure_layer(fla, timer: Timer, device, B=8, T=4096, hidden=2048, head_dim=
     base = dict(kind="layer", B=B, T=T, hidden=hidden, head_dim=head_dim,
                 heads=hidden // head_dim, dtype="bfloat16", fuse_norm=True, layer_idx=1)
 
-    # FLA 0.6.0's fused addcmul backward (fla/ops/rwkv7/fused_addcmul.py, addcmul_bwd1 with
-    # inplace=True) writes the hidden-state gradient into the layer's input: every call gets its
-    # own copy of x, as a layer inside a model gets a fresh activation (an x reused across
-    # calls grows with each forward+backward until it, and both layers' outputs, are NaN)
     def forward():
-        return layer(x.clone(), v_first=v_first)[0]
+        return layer(x, v_first=v_first)[0]
 
     def forward_backward():
+        # FLA 0.6.0's fused addcmul backward (fla/ops/rwkv7/fused_addcmul.py, addcmul_bwd1 with
+        # inplace=True) writes the hidden-state gradient into the layer's input: each backward
+        # gets its own copy of x, as a layer inside a model gets a fresh activation (an x
+        # reused across calls grows with each forward+backward until it, and both layers'
+        # outputs, are NaN)
         layer(x.clone(), v_first=v_first)[0].backward(do)
         # dropped at the end, so no rep (nor the peak-memory call) starts holding them
         layer.zero_grad(set_to_none=True)
         x.grad = v_first.grad = None
 
-    # whether the timed calls left the layer's parameters or inputs non-finite (no kernel runs
-    # here: the first calls stay first)
-    finite_before = dict(params=_finite(list(layer.parameters())), inputs=_finite((x, v_first)))
     layer.eval()
     records = [{**base, "mode": "fwd", **_side_by_side(timer, fla, forward, grad=False)}]
     layer.train()
@@ -133,9 +130,6 @@ def measure_layer(fla, timer: Timer, device, B=8, T=4096, hidden=2048, head_dim=
     if check["fla_o_nonfinite"]:
         with torch.no_grad(), fla.route("triton"):
             check["fla_first_nonfinite"] = first_nonfinite(layer, forward)
-        finite_after = dict(params=_finite(list(layer.parameters())), inputs=_finite((x, v_first)))
-        check["finite_before_after_timing"] = {k: [finite_before[k], finite_after[k]]
-                                               for k in finite_before}
     return [{**rec, **check} for rec in records]
 
 

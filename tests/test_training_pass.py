@@ -141,7 +141,7 @@ def test_cuda_bodies_fall_back_to_the_stages():
     in sequence: the PyTorch kernels' results exactly."""
     x = make_inputs(1, 50, 2, 8, dtype=torch.float32, num_states=3)
     cu = [0, 20, 21, 50]
-    assert not dataflow.split_kernels_apply(x["q"], x["v"], x["gk"], torch.tensor(cu))
+    assert not dataflow.runs_split_kernels(x["q"], x["v"], x["gk"], torch.tensor(cu), 32)
     do, dht = torch.randn_like(x["v"]), torch.randn_like(x["initial_state"])
     outs, grads = _cuda_bodies(x, cu, 32, -0.6065, do, dht)
     cu_t = torch.tensor(cu)

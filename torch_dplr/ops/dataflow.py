@@ -141,19 +141,15 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bou
     return allocate(chunk_fwd_shapes(q, v, cu_seqlens, chunk_size), q.device)
 
 
-def split_kernels_apply(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor) -> bool:
-    """The Triton split kernels can run the call (:func:`sweep_kernels_apply`; the initial
-    state, of any float dtype, is read as fp32).  Shapes, dtypes and the device only."""
-    return sweep_kernels_apply(q, v, gk, num_sequences(q, cu_seqlens))
-
-
 def runs_split_kernels(q: Tensor, v: Tensor, gk: Tensor, cu_seqlens: Tensor,
                        chunk_size: int) -> bool:
-    """The Triton split kernels run a CUDA call of the two ops only where the TileLang stage
-    kernels do not apply (K = V = 32): where both apply the stage kernels are faster (at B8
-    T4096 H32 D64, chunk 64, on an H100, forward+backward 6.0 ms through the stage ops against
-    about 14 ms for the split kernels, docs/training_dataflow.md)."""
-    return (split_kernels_apply(q, v, gk, cu_seqlens)
+    """The Triton split kernels run a CUDA call of the two ops where they can
+    (:func:`sweep_kernels_apply`; the initial state, of any float dtype, is read as fp32) and
+    the TileLang stage kernels cannot (K = V = 32): where both apply the stage kernels are
+    faster (at B8 T4096 H32 D64, chunk 64, on an H100, forward+backward 6.0 ms through the
+    stage ops against about 14 ms for the split kernels, docs/training_dataflow.md).  Shapes,
+    dtypes and the device only."""
+    return (sweep_kernels_apply(q, v, gk, num_sequences(q, cu_seqlens))
             and not kernels_apply(q, chunk_size, q.shape[-1], v.shape[-1]))
 
 
