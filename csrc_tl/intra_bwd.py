@@ -126,7 +126,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .compile import canonical_dtype, kernel_options
-from .tile_macros import any_column_below_from, end_cta
+from .tile_macros import REDO_SPAN, broken_chunks_from, end_cta
 
 __all__ = [
     "intra_bwd_kernel",
@@ -212,10 +212,10 @@ def intra_bwd_kernel(
     and threads (0: 128).
 
     redo (unbounded only): the exact recompute after the bounded kernel (``torch_dplr/ops/
-    gate_bound.py``): a CTA computes its (K-block, head, chunk) only when some column of the
-    forward's chunk totals ``gl`` decays past :func:`bounded_max_decay` (the chunk broke the
-    declared bound); every other CTA, and every empty slot, ends at once and writes nothing.
-    Without redo, ``gl`` is not read.
+    gate_bound.py``): each CTA covers ``REDO_SPAN`` chunks of a (K-block, head), tests their
+    forward chunk totals ``gl`` at once and computes only the chunks where some column decays
+    past :func:`bounded_max_decay` (they broke the declared bound), one after another; every
+    other chunk, and every empty slot, is left unwritten.  Without redo, ``gl`` is not read.
     """
     dtype = canonical_dtype(dtype)
     gk_dtype = canonical_dtype(gk_dtype)
@@ -234,7 +234,7 @@ def intra_bwd_kernel(
     if threads % 32 or threads % BK or (_SUB * BK) % threads or threads < BK:
         raise ValueError(f"threads={threads} must be a multiple of block_K={BK} dividing 16*block_K")
     NK = K // BK
-    any_column_below = any_column_below_from(K, threads)  # the redo form's test
+    broken_chunks = broken_chunks_from(K, threads, REDO_SPAN)  # the redo form's test
     nb = C // _SUB
     NG = threads // BK  # threads per column in the per-column passes
     stages = tuple(range(nb + 1))  # sub-block stages of the unbounded scheme
@@ -725,26 +725,44 @@ def intra_bwd_kernel(
         db: T.Tensor((B, Tn, H, K), dtype),
         dgk: T.Tensor((B, Tn, H, K), gk_dtype),
     ):
-        # (K-block, head) fastest, so the CTAs of one chunk run side by side and read
-        # contiguous memory; slots on grid x (no 65535 limit)
-        with T.Kernel(NK * H * S, B, threads=threads) as (bx, i_b):
-            T.annotate_min_blocks_per_sm(max(1, _CTAS_PER_SM[C, bounded] * 128 // threads))
-            i_kh = bx % (NK * H)
-            i_c = bx // (NK * H)
-            t0 = chunk_start[i_c]
-            L = chunk_len[i_c]
-            if redo:
-                # a launch over every chunk of which few broke the bound: the others end after
-                # reading their K chunk totals
-                broke = T.alloc_local((1,), "int32")
-                any_column_below(gl, i_b, i_c, i_kh // NK, -bounded_max_decay(dtype), broke)
-                if L == 0 or broke[0] == 0:
-                    end_cta()
-            elif not bounded:
-                if L == 0:  # an empty slot writes nothing
-                    end_cta()
-            body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
-                 dq, dk, da, db, dgk, i_kh, i_c, i_b, t0, L)
+        if redo:
+            # one CTA per REDO_SPAN chunks of a (K-block, head): it tests all their totals at
+            # once and recomputes only the chunks that broke the bound, so a call where none
+            # did costs a few waves of short CTAs instead of one CTA per chunk
+            with T.Kernel(NK * H * T.ceildiv(S, REDO_SPAN), B, threads=threads) as (bx, i_b):
+                T.annotate_min_blocks_per_sm(max(1, _CTAS_PER_SM[C, bounded] * 128 // threads))
+                i_kh = bx % (NK * H)
+                c0 = bx // (NK * H) * REDO_SPAN
+                flags = T.alloc_shared((REDO_SPAN,), "int32")
+                slots = T.alloc_shared((REDO_SPAN,), "int32")
+                count = T.alloc_shared((1,), "int32")
+                broken_chunks(gl, chunk_len, i_b, c0, S, i_kh // NK, -bounded_max_decay(dtype),
+                              flags, slots, count)
+                # the list in registers: a loop bound or index read from shared memory inside
+                # the loop would need barriers TileLang cannot place
+                n = T.alloc_local((1,), "int32")
+                i_c = T.alloc_local((1,), "int32")
+                n[0] = count[0]
+                for i in T.serial(n[0]):
+                    i_c[0] = slots[i]
+                    body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg,
+                         scale, dq, dk, da, db, dgk, i_kh, i_c[0], i_b, chunk_start[i_c[0]],
+                         chunk_len[i_c[0]])
+                    T.sync_threads()  # the next chunk's loads reuse the shared tiles
+        else:
+            # (K-block, head) fastest, so the CTAs of one chunk run side by side and read
+            # contiguous memory; slots on grid x (no 65535 limit)
+            with T.Kernel(NK * H * S, B, threads=threads) as (bx, i_b):
+                T.annotate_min_blocks_per_sm(max(1, _CTAS_PER_SM[C, bounded] * 128 // threads))
+                i_kh = bx % (NK * H)
+                i_c = bx // (NK * H)
+                t0 = chunk_start[i_c]
+                L = chunk_len[i_c]
+                if not bounded:
+                    if L == 0:  # an empty slot writes nothing
+                        end_cta()
+                body(q, k, a, b, gk, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg, dkg, dag, dbg, scale,
+                     dq, dk, da, db, dgk, i_kh, i_c, i_b, t0, L)
 
     return intra_bwd
 

@@ -103,7 +103,8 @@ import math
 import tilelang.language as T
 
 from .compile import canonical_dtype, kernel_options
-from .tile_macros import LOG2E, any_column_below_from, end_cta, gate_scan_from, tf32
+from .tile_macros import (LOG2E, REDO_SPAN, broken_chunks_from, end_cta, gate_scan_from,
+                          tf32)
 
 __all__ = [
     "intra_fwd_kernel",
@@ -191,10 +192,11 @@ def intra_fwd_kernel(
     block, 0 picks the default).
 
     redo (tiled only): the exact recompute after the centred kernel (``torch_dplr/ops/
-    gate_bound.py``). ``gl`` then holds the centred kernel's chunk totals on entry, and a CTA
-    computes its (chunk, head) only when some column decays past :func:`centred_max_decay`
-    (the chunk broke the declared bound); every other CTA, and every empty slot, ends at once
-    and writes nothing.
+    gate_bound.py``). ``gl`` then holds the centred kernel's chunk totals on entry; each CTA
+    covers ``REDO_SPAN`` chunks of a head, tests their totals at once and computes only the
+    chunks where some column decays past :func:`centred_max_decay` (they broke the declared
+    bound), one after another; every other chunk, and every empty slot, is left as the
+    centred kernel wrote it.
     """
     dtype = canonical_dtype(dtype)
     gate_dtype = canonical_dtype(gate_dtype)
@@ -295,7 +297,7 @@ def intra_fwd_kernel(
 
     # gates in log2 units (0 past L), scanned down the rows in place
     gate_scan = gate_scan_from(C, BK, NSEG, SB, o, centred)
-    any_column_below = any_column_below_from(K, threads)  # the redo form's test
+    broken_chunks = broken_chunks_from(K, threads, REDO_SPAN)  # the redo form's test
 
     @T.macro
     def store_rows(src, dst, i_b, i_h, t0, L, c0, W):
@@ -596,22 +598,38 @@ def intra_fwd_kernel(
         ag: T.Tensor((B, Tn, H, K), dtype),
         bg: T.Tensor((B, Tn, H, K), dtype),
     ):
-        with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
-            t0 = chunk_start[i_c]
-            L = chunk_len[i_c]
-            if redo:
-                # a launch over every (chunk, head) of which few broke the bound: the others
-                # end after reading their K chunk totals
-                broke = T.alloc_local((1,), "int32")
-                any_column_below(gl, i_b, i_c, i_h, -centred_max_decay(), broke)
-                if L == 0 or broke[0] == 0:
-                    end_cta()
-            elif not centred:
-                if L == 0:  # an empty slot only writes gl = 0
-                    for c in T.Parallel(K):
-                        gl[i_b, i_c, i_h, c] = T.float32(0)
-                    end_cta()
-            body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c, i_h, t0, L)
+        if redo:
+            # one CTA per REDO_SPAN chunks of a head: it tests all their totals at once and
+            # recomputes only the chunks that broke the bound, so a call where none did costs
+            # a few waves of short CTAs instead of one CTA per (chunk, head)
+            with T.Kernel(T.ceildiv(NS, REDO_SPAN), H, B, threads=threads) as (bx, i_h, i_b):
+                c0 = bx * REDO_SPAN
+                flags = T.alloc_shared((REDO_SPAN,), "int32")
+                slots = T.alloc_shared((REDO_SPAN,), "int32")
+                count = T.alloc_shared((1,), "int32")
+                broken_chunks(gl, chunk_len, i_b, c0, NS, i_h, -centred_max_decay(), flags,
+                              slots, count)
+                # the list in registers: a loop bound or index read from shared memory inside
+                # the loop would need barriers TileLang cannot place
+                n = T.alloc_local((1,), "int32")
+                i_c = T.alloc_local((1,), "int32")
+                n[0] = count[0]
+                for i in T.serial(n[0]):
+                    i_c[0] = slots[i]
+                    body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b,
+                         i_c[0], i_h, chunk_start[i_c[0]], chunk_len[i_c[0]])
+                    T.sync_threads()  # the next chunk's loads reuse the shared tiles
+        else:
+            with T.Kernel(NS, H, B, threads=threads) as (i_c, i_h, i_b):
+                t0 = chunk_start[i_c]
+                L = chunk_len[i_c]
+                if not centred:
+                    if L == 0:  # an empty slot only writes gl = 0
+                        for c in T.Parallel(K):
+                            gl[i_b, i_c, i_h, c] = T.float32(0)
+                        end_cta()
+                body(q, k, a, b, gk, scale, gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg, i_b, i_c,
+                     i_h, t0, L)
 
     return intra_fwd
 

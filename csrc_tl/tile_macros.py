@@ -60,23 +60,48 @@ def gate_scan_from(C: int, width: int, nseg: int, batch: int, offset: int, zero_
     return gate_scan
 
 
-def any_column_below_from(K: int, threads: int):
-    """Macro ``any_column_below(gl, i_b, i_c, i_h, bound, found)``: ``found[0]`` (a local int32)
-    = 1 in every thread of the CTA if some column of the chunk totals ``gl[i_b, i_c, i_h, :K]``
-    is below ``bound``, else 0. One barrier (``__syncthreads_or``), no shared memory; NaN counts
+# Chunks per CTA of the redo kernels (the exact recompute after a bounded one): a call where
+# none broke costs ceil(chunks / 8) CTAs per head that read their totals and exit; a CTA
+# recomputes its broken chunks one after another.
+REDO_SPAN = 8
+
+
+def broken_chunks_from(K: int, threads: int, span: int):
+    """Macro ``broken_chunks(gl, chunk_len, i_b, c0, S, i_h, bound, flags, slots, count)`` for
+    a CTA that covers the ``span`` chunk slots ``c0 ..`` (those below ``S``): ``slots[:count[0]]``
+    (shared int32 ``[span]`` and ``[1]``) lists, in order, the non-empty ones where some column
+    of the chunk totals ``gl[i_b, c, i_h, :K]`` is below ``bound``.  Every thread issues its
+    share of the ``span * K`` loads before testing any, so the CTA waits one load latency for
+    all its chunks; ``flags`` (shared int32 ``[span]``) is scratch.  Three barriers; NaN counts
     as not below."""
+    per_thread = (span * K + threads - 1) // threads
 
     @T.macro
-    def any_column_below(gl, i_b, i_c, i_h, bound, found):
+    def broken_chunks(gl, chunk_len, i_b, c0, S, i_h, bound, flags, slots, count):
         tx = T.get_thread_binding()
-        found[0] = 0
-        for j in T.unroll((K + threads - 1) // threads):
-            if tx + j * threads < K:
-                if gl[i_b, i_c, i_h, tx + j * threads] < bound:
-                    found[0] = 1
-        found[0] = T.call_extern("int32", "__syncthreads_or", found[0])
+        n = T.alloc_local((1,), "int32")
+        for j in T.unroll((span + threads - 1) // threads):
+            if tx + j * threads < span:
+                flags[tx + j * threads] = 0
+        T.sync_threads()
+        for j in T.unroll(per_thread):
+            e = tx + j * threads
+            if e < span * K:
+                if c0 + e // K < S:
+                    if gl[i_b, c0 + e // K, i_h, e % K] < bound:
+                        flags[e // K] = 1  # threads that find one write the same value
+        T.sync_threads()
+        if tx == 0:
+            n[0] = 0
+            for s in T.serial(span):
+                if flags[s] != 0:
+                    if chunk_len[c0 + s] > 0:
+                        slots[n[0]] = c0 + s
+                        n[0] = n[0] + 1
+            count[0] = n[0]
+        T.sync_threads()
 
-    return any_column_below
+    return broken_chunks
 
 
 def zero_rows_from(C: int):

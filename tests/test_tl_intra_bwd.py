@@ -251,15 +251,28 @@ def test_select_scheme():
     assert not select_scheme(64, "bfloat16", -5.0) and select_scheme(16, "bfloat16", -5.0)
 
 
+def _differing_units(got, want, broke, C):
+    """(sequence, chunk, head, broke the bound, max |difference|) of every unit that differs."""
+    diff = (got.float() - want.float()).abs()
+    rows = torch.nn.functional.pad(diff, (0, 0, 0, 0, 0, -diff.shape[1] % C))
+    per_unit = rows.unflatten(1, (-1, C)).amax(dim=(2, 4))  # [B, chunks, H]
+    return [(b, c, h, bool(broke[b, c, h]), float(per_unit[b, c, h]))
+            for b, c, h in (per_unit > 0).nonzero().tolist()]
+
+
 @pytest.mark.parametrize("C", [16, 64])
 def test_redo_recomputes_only_chunks_that_broke_the_bound(C):
     """The bounded kernel, then the redo kernel over its outputs (as ops/intra.py runs them):
-    every (chunk, head) whose gates broke the bound holds the unbounded kernel's gradients, bit
-    for bit; every other one what the bounded kernel wrote."""
+    every (chunk, head) whose gates broke the bound holds the unbounded kernel's gradients
+    (dq, dk, da, db bit for bit; dgk, the serial sums of per-row terms, within a few fp32 ulps
+    of its largest value: the redo kernel runs the same body in a loop over the broken chunks
+    and its compiled sums round differently, by 2.4e-7 to 4.8e-7 on an H100); every other one
+    exactly what the bounded kernel wrote."""
     from csrc_tl.intra_bwd import bounded_max_decay
     inp = _inputs(2, 300, 4, 64, torch.bfloat16, "rwkv7", None, seed=C)
     gk = inp["gk"].clone()
     gk[0, C + 3, 1, 5] = -1e4  # sequence 0, chunk 1, head 1
+    gk[0, 3 * C + 1, 1, 9] = -1e4  # sequence 0, chunk 3, head 1: the same redo CTA as chunk 1
     gk[1, 299, 2, 7] = -1e4  # sequence 1, last (partial) chunk, head 2
     inp = {**inp, "gk": gk}
     cu, scale = _cu(None), 64 ** -0.5
@@ -276,4 +289,8 @@ def test_redo_recomputes_only_chunks_that_broke_the_bound(C):
     per_token = broke.repeat_interleave(C, dim=1)[:, :300, :, None]
     for name, got, e, bnd in zip(OUT_NAMES, redone, exact, bounded):
         assert torch.isfinite(got).all(), f"{name}: non-finite entries left"
-        assert torch.equal(got, torch.where(per_token, e, bnd)), name
+        want = torch.where(per_token, e, bnd)
+        units = _differing_units(got, want, broke, C)
+        bar = 8 * torch.finfo(torch.float32).eps * float(e.abs().max()) if name == "dgk" else 0
+        assert all(unit_broke and diff <= bar for *_, unit_broke, diff in units), \
+            f"{name}: (sequence, chunk, head, broke, max |redo - expected|) over {bar:.2g}: {units}"

@@ -124,6 +124,7 @@ def test_redo_recomputes_only_chunks_that_broke_the_bound(C):
     q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
     gk = gk.clone()
     gk[0, C + 3, 1, 5] = -1e4  # sequence 0, chunk 1, head 1
+    gk[0, 3 * C + 1, 1, 9] = -1e4  # sequence 0, chunk 3, head 1: the same redo CTA as chunk 1
     gk[1, 299, 2, 7] = -1e4  # sequence 1, last (partial) chunk, head 2
     cu = torch.tensor([], dtype=torch.int32, device="cuda")
     args = (q, k, a, b, gk, cu, 64 ** -0.5, C)

@@ -10,10 +10,11 @@ and without a host sync, and recomputes the ones that break the bound with the e
   its total decay ``gl`` (log2 units; the backward reads the forward's) is past the scheme's
   range (``-gl`` beyond :func:`csrc_tl.intra_fwd.centred_max_decay` or
   :func:`csrc_tl.intra_bwd.bounded_max_decay`).  After the fast kernel, the exact kernel's
-  ``redo`` form runs over the same chunks and outputs: each of its CTAs reads its K chunk
-  totals and ends at once unless they break, and the breaking ones overwrite their outputs
-  with the exact scheme's.  Without a breaking chunk this costs one launch whose CTAs read
-  256 B each and exit.
+  ``redo`` form runs over the same chunks and outputs: each of its CTAs reads the K chunk
+  totals of ``csrc_tl.tile_macros.REDO_SPAN`` (8) chunks of a head at once and overwrites the
+  outputs of the breaking ones with the exact scheme's, one after another.  Without a
+  breaking chunk this costs one launch of ``chunks / 8`` CTAs per head (times the K blocks in
+  the backward) that read 2 KB each and exit.
 * ``chunk_fwd_fused``: the fused kernel flags each (sequence, head) with a breaking chunk; the
   per-token Triton kernel recomputes exactly those pairs (``csrc_triton/recurrent.py``).
 
