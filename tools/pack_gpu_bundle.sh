@@ -28,11 +28,17 @@ done
 rm -rf .gpu.new && mkdir -p .gpu.new
 pack_folder() { tar -C "$1" -cf - . | xz -6 -T0 > "$2"; }  # pack_folder DIR FILE.tar.xz
 # the site bundle without z3's command-line binary (z3_solver-*.data, 22 MB; TileLang imports
-# the z3 module only): the checkout and .gpu/ must stay under 64 MiB together
+# the z3 module only), and with z3's libz3.so a link to libz3.so.4.x, of which it is a copy
+# (22 MB; 7 MB of the packed bundle): the checkout and .gpu/ must stay under 64 MiB together
 if [ ! -f .devsite/site-trimmed.tar.xz ] || [ .devsite/site.tar.xz -nt .devsite/site-trimmed.tar.xz ]; then
   rm -rf /tmp/site_trim && mkdir -p /tmp/site_trim
   xz -dc .devsite/site.tar.xz | tar -C /tmp/site_trim -xf -
   rm -rf /tmp/site_trim/z3_solver-*.data
+  for versioned in /tmp/site_trim/z3/lib/libz3.so.*; do
+    if cmp -s /tmp/site_trim/z3/lib/libz3.so "$versioned"; then
+      ln -sf "$(basename "$versioned")" /tmp/site_trim/z3/lib/libz3.so
+    fi
+  done
   pack_folder /tmp/site_trim .devsite/site-trimmed.tar.xz
 fi
 ln -f .devsite/site-trimmed.tar.xz .gpu.new/site.tar.xz
