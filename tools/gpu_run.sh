@@ -18,8 +18,8 @@
 #                       counters as $OUT/ncu.txt and the report $OUT/ncu.ncu-rep
 #   SAVE_CACHE=1        the compiled kernels as $OUT/tlcache.tar.xz, to carry next time (without
 #                       TileLang's compile-time cuda-binaries folder: loading reads kernels/ only)
-#   SAVE_FLA_CACHE=1    what FLA tuned and compiled here (Triton autotune results, TileLang
-#                       kernels) as $OUT/fla_cache.tar.xz; pack_gpu_bundle.sh FLA_CACHE=... carries
+#   SAVE_FLA_CACHE=1    what FLA tuned and compiled here (Triton autotune results, Triton and
+#                       TileLang kernels) as $OUT/fla_cache.tar.xz; pack_gpu_bundle.sh FLA_CACHE=... carries
 #                       it, so the next machine neither re-tunes nor re-JITs FLA
 set -u
 t0=$(date +%s)
@@ -84,7 +84,7 @@ if [ -n "${SAVE_CACHE:-}" ]; then
   tar -C /tmp/tlc --exclude='./*/cuda-binaries' -cf - . | xz -T0 -6 > "$OUT/tlcache.tar.xz"
   ls -la "$OUT/tlcache.tar.xz"
 fi
-if [ -n "${SAVE_FLA_CACHE:-}" ]; then  # autotune results, and TileLang kernels made here
+if [ -n "${SAVE_FLA_CACHE:-}" ]; then  # autotune results, Triton and TileLang kernels made here
   save_fla_cache "$OUT/fla_cache.tar.xz" tilelang; ls -la "$OUT/fla_cache.tar.xz"
 fi
 echo "total $(( $(date +%s) - t0 )) s"

@@ -30,11 +30,16 @@ echo "setup $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, tilelang; print(torch.__version__, tilelang.__version__, torch.cuda.get_device_capability())"
 
-save_fla_cache() {  # save_fla_cache DEST [tilelang]: what FLA tuned here (Triton autotune results)
-  # and, with "tilelang", the TileLang kernels compiled on this machine, as a tar.xz that
-  # pack_gpu_bundle.sh FLA_CACHE=DEST carries next time (gpu_setup.sh unpacks it)
+save_fla_cache() {  # save_fla_cache DEST [tilelang]: what FLA tuned here (Triton autotune results),
+  # the Triton kernels compiled on this machine (FLA's and ours: a cold machine spends minutes
+  # compiling FLA's for its layer tests) and, with "tilelang", the TileLang kernels compiled
+  # here, as a tar.xz that pack_gpu_bundle.sh FLA_CACHE=DEST carries next time (gpu_setup.sh
+  # unpacks it; Triton finds a kernel by its directory, named by the hash of its source and
+  # options)
   rm -rf /tmp/flasave && mkdir -p /tmp/flasave/triton /tmp/flasave/tlc
   (cd ~/.triton/cache && find . -name '*.autotune.json' -exec cp --parents {} /tmp/flasave/triton/ \;)
+  (cd ~/.triton/cache && find . -mindepth 1 -maxdepth 1 -type d -newer /tmp/site/.done \
+     -exec cp -r --parents {} /tmp/flasave/triton/ \;)
   if [ "${2:-}" = tilelang ]; then
     (cd /tmp/tlc && find 0.1.15 -mindepth 2 -maxdepth 3 -type d -newer /tmp/site/.done \
        \( -path '*/kernels/*' -o -path '*/cuda-binaries/*' \) -exec cp -r --parents {} /tmp/flasave/tlc/ \;)
