@@ -1,7 +1,8 @@
 """The host side of a CUDA call, on a CPU machine: what the Python around the kernels costs.
 
-Two harnesses: chunked training steps (below), and decode steps (``decode``: the per-token
-entries, see :func:`decode_main`).
+Three harnesses: chunked training steps (below), decode steps (``decode``: the per-token
+entries, see :func:`decode_main`), and what filling the schema defaults costs the ops that a
+training step calls with grad (``schema``, :func:`schema_main`).
 
 Every ``dplr`` op's CUDA function runs as its CPU kernel and every TileLang launch is a no-op
 (``torch_dplr.testing.cuda_op_bodies_on_cpu``), so a step runs the op bodies,
@@ -19,6 +20,7 @@ tools/host_probe.py there), and they drift between runs: compare the variants of
     python tools/host_sim.py                      # B2 T64 H8 D64, chunk 64
     python tools/host_sim.py 2 64 8 64 16
     python tools/host_sim.py decode               # decode steps, H32, batches 1/16/128, D64/128
+    python tools/host_sim.py schema               # the autograd ops' schema-default filling
 """
 from __future__ import annotations
 
@@ -257,8 +259,31 @@ def decode_main(argv=None):
                               args.tokens, args.blocks, args.calls, args.no_grad):
         print(json.dumps(dict(rec, heap_kept=kept)), flush=True)
 
+
+# ---- the schema defaults of autograd ops ----------------------------------------------------
+
+# the ops a training step calls with grad (their autograd wrapper fills the schema defaults)
+AUTOGRAD_OPS = ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "chunk_fwd")
+
+
+def schema_main():
+    """Host microseconds of ``torch._library.utils.fill_defaults`` on each op's schema (what
+    PyTorch's wrapper of a ``register_autograd`` op with ``setup_context`` runs on every call
+    with grad; it reads the schema's argument list once per argument), one JSON line."""
+    from torch._library.utils import fill_defaults
+    rec = {}
+    for name in AUTOGRAD_OPS:
+        schema = getattr(torch.ops.dplr, name).default._schema
+        args = tuple(range(len(schema.arguments)))
+        rec[name] = {"arguments": len(args),
+                     "fill_defaults_us": _median_us(lambda: fill_defaults(schema, args, {}), 9, 2000)}
+    print(json.dumps(rec))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["decode"]:
         decode_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["schema"]:
+        schema_main()
     else:
         main()
