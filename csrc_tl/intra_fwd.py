@@ -30,11 +30,14 @@ fp32 fragments, which are masked and written once after the last block.
 
 Two exact schemes for the decay factor 2^(gi_i - gi_j)
 -----------------------------------------------------
-``scheme="centred"`` (gates with a declared lower bound, see :func:`centred_is_safe`):
-factor through the gate at a centre row m = C/2 - 1, ``2^(gi_i - c) * 2^(c - gi_j)``, so each
-matrix is ONE GEMM over K of ``q 2^(gi - c)`` (or ``a 2^(ge - c)``) with ``k 2^(c - gi)``
-(or b). The largest positive exponent is (C/2) * |lower_bound| * log2e (28 for RWKV-7 at
-C = 64); entries above the diagonal may overflow in the fragment and are discarded by the
+``scheme="centred"``: factor through one centre per column, c = gl/2,
+``2^(gi_i - c) * 2^(c - gi_j)``, so each matrix is ONE GEMM over K of ``q 2^(gi - c)`` (or
+``a 2^(ge - c)``) with ``k 2^(c - gi)`` (or b). gi and ge lie in [gl, 0], so every exponent
+is at most |gl|/2 in magnitude: in range while the chunk's total decay -gl is at most
+:func:`centred_max_decay` in every column (a declared lower bound guarantees it where
+:func:`centred_is_safe`; otherwise the dispatcher runs the redo form of the tiled scheme
+after it, ``torch_dplr/ops/gate_bound.py``). RWKV-7's bound gives exponents up to 28 at
+C = 64. Entries above the diagonal may overflow in the fragment and are discarded by the
 mask (a select, so an inf never reaches an output).
 
 ``scheme="tiled"`` (any gate): two-level tiling with 16-row sub-blocks. For the column block J
@@ -124,7 +127,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 SCHEMES = ("centred", "tiled")
 
-#: Largest positive exponent the centred scheme may produce, (C/2) * |lower_bound| * log2e.
+#: Largest exponent magnitude a centred operand may carry, |gl|/2 <= (C/2) |lower_bound| log2e.
 #: 2^100 leaves ~2^27 of fp32 range for the operand magnitudes (|q|, |k|, ... < 1e8).
 CENTRED_MAX_EXPONENT = 100.0
 
@@ -149,10 +152,10 @@ def centred_is_safe(chunk_size: int, lower_bound: float | None) -> bool:
 
 def centred_max_decay() -> float:
     """Largest total decay of a chunk, ``-gl`` in log2 units, that the centred scheme computes
-    in range: its exponents are at most ``-gl``.  A chunk past it breaks the declared bound
-    (within the bound ``-gl <= C |lower_bound| log2e``); ``torch_dplr/ops/gate_bound.py``
-    recomputes it with the tiled scheme."""
-    return CENTRED_MAX_EXPONENT
+    in range: its exponents are at most ``-gl / 2``.  Within a declared bound
+    ``-gl <= C |lower_bound| log2e``; ``torch_dplr/ops/gate_bound.py`` recomputes a chunk past
+    it with the tiled scheme."""
+    return 2 * CENTRED_MAX_EXPONENT
 
 
 def scheme_for(chunk_size: int, lower_bound: float | None) -> str:
@@ -232,7 +235,6 @@ def intra_fwd_kernel(
         raise ValueError(f"threads/C={S} must divide block_k={BK} and {_SUB}")
     KS = BK // S
     JS = _SUB // S
-    mid = C // 2 - 1  # centre row
     n_kb = K // BK
     f32 = _ACC
     # Python tuples: the TileLang frontend unrolls loops over them while building the IR
@@ -393,7 +395,7 @@ def intra_fwd_kernel(
                 for r, c in T.Parallel(C, BK):
                     gi = gi_at(G, r, c)
                     ge = ge_at(G, r, c)
-                    gm = G[mid + o, c]
+                    gm = G[C - 1 + o, c] * 0.5  # the centre, gl / 2
                     to_end = T.exp2(G[C - 1 + o, c] - gi)
                     qv = T.Cast(f32, q_t[r, c])
                     av = T.Cast(f32, a_t[r, c])
@@ -437,7 +439,7 @@ def intra_fwd_kernel(
                 if centred:
                     for r, c in T.Parallel(C, BK):
                         gi = gi_at(G, r, c)
-                        gm = G[mid + o, c]
+                        gm = G[C - 1 + o, c] * 0.5  # the centre, gl / 2
                         Qc[r, c] = tf32(T.Cast(f32, q_t[r, c]) * T.exp2(gi - gm))
                         Ac[r, c] = tf32(T.Cast(f32, a_t[r, c]) * T.exp2(ge_at(G, r, c) - gm))
                         f = T.exp2(gm - gi)

@@ -3,9 +3,10 @@
 RWKV-7 gates ``-0.6065 sigmoid(5x)`` scaled by 1, 2, 10 and 100 (and a few spikes at -1e4):
 every kernel configuration of the chunked call (chunk 16/32/64, K 64/128, rect with a state
 and varlen without, training and no-grad, the stage pass and the two-op pass) with
-``lower_bound=-0.6065`` must equal the same
-call with no bound (which takes the exact schemes) within the suite's bars, with finite
-outputs, final state and gradients; the per-token path must match the fp64 recurrence.
+``lower_bound=-0.6065`` must equal the same call with no bound on the exact schemes
+(``exact_intra_schemes``) within the suite's bars, with finite outputs, final state and
+gradients; so must the call with no bound as it runs by default (at chunks 16 and 32 the
+centred schemes, checked chunk by chunk); the per-token path must match the fp64 recurrence.
 Skipped without a GPU.
 """
 import pytest
@@ -13,8 +14,9 @@ import torch
 
 import torch_dplr
 from torch_dplr.ops import fused
-from torch_dplr.testing import (GRAD_NAMES, RWKV7_BOUND, TOLERANCES, forbid_pytorch_stages,
-                                make_inputs, recurrence_oracle, rms_ratio)
+from torch_dplr.testing import (GRAD_NAMES, RWKV7_BOUND, TOLERANCES, exact_intra_schemes,
+                                forbid_pytorch_stages, make_gates, make_inputs,
+                                recurrence_oracle, rms_ratio)
 
 pytestmark = pytest.mark.cuda
 
@@ -94,8 +96,28 @@ def test_broken_bound_gives_the_unbounded_result(grad, chunk_size, K, layout, fa
                                           RWKV7_BOUND)
     with forbid_pytorch_stages():
         bounded = call(inp, cu, chunk_size, RWKV7_BOUND, grad)
-        unbounded = call(inp, cu, chunk_size, None, grad)
+        with exact_intra_schemes():
+            unbounded = call(inp, cu, chunk_size, None, grad)
     assert_same_as_unbounded(bounded, unbounded, torch.bfloat16)
+
+
+@pytest.mark.parametrize("factor", FACTORS + ("heavy",))
+@pytest.mark.parametrize("layout", ["rect", "varlen"])
+@pytest.mark.parametrize("chunk_size", [16, 32])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+def test_no_bound_checked_scheme_gives_the_exact_result(grad, chunk_size, layout, factor):
+    """No bound declared: at chunks 16 and 32 the centred schemes run anyway, checked chunk by
+    chunk, and must give the exact schemes' result ("heavy": the benchmark's heavy-tailed
+    gates, down to -40 a token, whose chunks of 16 mostly stay in range)."""
+    inp, cu = inputs(layout, 64, "1" if factor == "heavy" else factor)
+    if factor == "heavy":
+        gen = torch.Generator().manual_seed(3)
+        inp["gk"] = make_gates(inp["gk"].shape, "unbounded", gen).cuda()
+    with forbid_pytorch_stages():
+        checked = call(inp, cu, chunk_size, None, grad)
+        with exact_intra_schemes():
+            exact = call(inp, cu, chunk_size, None, grad)
+    assert_same_as_unbounded(checked, exact, torch.bfloat16)
 
 
 @pytest.mark.parametrize("factor", FACTORS)
@@ -109,7 +131,8 @@ def test_broken_bound_in_the_two_op_pass(chunk_size, layout, factor, monkeypatch
     inp, cu = inputs(layout, 64, factor)
     assert not dataflow.runs_split_kernels(inp["q"], inp["v"], inp["gk"], _offsets(cu),
                                            chunk_size)
-    unbounded = call(inp, cu, chunk_size, None, True)
+    with exact_intra_schemes():
+        unbounded = call(inp, cu, chunk_size, None, True)
     monkeypatch.setenv(dataflow.TRAINING_PASS_VAR, "split")
     bounded = call(inp, cu, chunk_size, RWKV7_BOUND, True)
     assert_same_as_unbounded(bounded, unbounded, torch.bfloat16)
@@ -122,7 +145,8 @@ def test_broken_bound_fp16(chunk_size, factor):
     inp, cu = inputs("rect", 64, factor, dtype=torch.float16)
     with forbid_pytorch_stages():
         bounded = call(inp, cu, chunk_size, RWKV7_BOUND, True)
-        unbounded = call(inp, cu, chunk_size, None, True)
+        with exact_intra_schemes():
+            unbounded = call(inp, cu, chunk_size, None, True)
     assert_same_as_unbounded(bounded, unbounded, torch.float16)
 
 

@@ -22,22 +22,24 @@ def test_every_selected_kernel_is_a_variant_the_ci_compiles(C, K, dtype, gate, b
     split = ("state_bwd_dh", "state_bwd_grads")  # the small-grid state backward
     # the fused no-grad forward: C = 64, K = 64, centred scheme (RWKV-7's bound, not -5)
     fused = ("fused_fwd",) if (C, K, bound) == (64, 64, -0.6065) else ()
-    # a faster intra scheme brings the exact one along, for the chunks that break the bound:
-    # the centred forward at RWKV-7's bound and at -5 for C = 16; the bounded backward where
-    # C |bound| log2e / 2 fits the operand dtype (bf16: 100, fp16: 8)
+    # a faster intra scheme brings the exact one along, for the chunks past its range: the
+    # centred forward at C 16 and 32 for any gates, at C 64 where RWKV-7's bound licenses it;
+    # the bounded backward at C 16 and 32 in bf16 for any gates, and where C |bound| log2e / 2
+    # fits the operand dtype (bf16: 100, fp16: 8)
     exact = ()
-    if bound == -0.6065 or (bound == -5.0 and C == 16):
+    if C in (16, 32) or bound == -0.6065:
         exact += ("intra_fwd_exact",)
-    if (bound == -0.6065 and (dtype == torch.bfloat16 or C == 16)
-            or (bound == -5.0 and C == 16 and dtype == torch.bfloat16)):
+    if dtype == torch.bfloat16 and (C in (16, 32) or bound == -0.6065) or (
+            C == 16 and bound == -0.6065):
         exact += ("intra_bwd_exact",)
     assert sorted(chosen) == sorted(stages + split + fused + exact)
-    if exact:
-        assert chosen["intra_fwd"][1]["scheme"] == "centred"
-    for name in exact:  # the unbounded call's kernel, in its redo form
+    assert (chosen["intra_fwd"][1]["scheme"] == "centred") == ("intra_fwd_exact" in exact)
+    assert chosen["intra_bwd"][1]["bounded"] == ("intra_bwd_exact" in exact)
+    exact_form = {"intra_fwd": {"scheme": "tiled"}, "intra_bwd": {"bounded": False}}
+    for name in exact:  # the same kernel in its exact scheme and redo form
         op = name.removesuffix("_exact")
-        factory, config = kernels.pipeline(C, K, K, dtype, gate_dtype, float("-inf"))[op]
-        assert chosen[name] == (factory, {**config, "redo": True})
+        factory, config = chosen[op]
+        assert chosen[name] == (factory, {**config, **exact_form[op], "redo": True})
     for op, (factory, config) in chosen.items():
         module = __import__(factory.__module__, fromlist=["variants"])
         assert config in list(module.variants()), (op, config)
@@ -221,3 +223,17 @@ def test_forbid_pytorch_stages_replaces_and_restores():
         with pytest.raises(AssertionError, match="TileLang kernel was not used"):
             wy.chunk_wy_fwd_reference()
     assert wy.chunk_wy_fwd_reference is original
+
+
+def test_exact_intra_schemes_selects_the_tiled_kernels_without_a_licence():
+    from torch_dplr.testing import exact_intra_schemes
+    unbounded = (16, 64, 64, torch.bfloat16, torch.float32, float("-inf"))
+    licensed = (*unbounded[:5], -0.6065)
+    assert kernels.pipeline(*unbounded)["intra_fwd"][1]["scheme"] == "centred"
+    with exact_intra_schemes():
+        chosen = kernels.pipeline(*unbounded)
+        assert chosen["intra_fwd"][1]["scheme"] == "tiled"
+        assert not chosen["intra_bwd"][1]["bounded"]
+        assert "intra_fwd_exact" not in chosen and "intra_bwd_exact" not in chosen
+        assert kernels.pipeline(*licensed)["intra_fwd"][1]["scheme"] == "centred"
+    assert kernels.pipeline(*unbounded)["intra_bwd"][1]["bounded"]

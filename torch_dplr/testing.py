@@ -169,6 +169,28 @@ def forbid_pytorch_stages():
             setattr(module, name, original)
 
 
+@contextlib.contextmanager
+def exact_intra_schemes():
+    """Inside, calls whose gate bound does not license the intra kernels' centred schemes run
+    the exact tiled ones throughout, as they do at chunk 64 (GPU tests: the reference for the
+    checked centred schemes, ``torch_dplr.ops.kernels.intra_schemes``)."""
+    from .ops import kernels
+
+    def forget():  # the selections made with the other setting
+        kernels.pipeline.cache_clear()
+        for key in [key for key in kernels._kernels if key[0] in kernels.GATE_KERNELS]:
+            del kernels._kernels[key]
+
+    saved = kernels.CHECKED_CENTRED_CHUNKS
+    forget()
+    kernels.CHECKED_CENTRED_CHUNKS = ()
+    try:
+        yield
+    finally:
+        kernels.CHECKED_CENTRED_CHUNKS = saved
+        forget()
+
+
 # the ops whose CUDA function launches TileLang kernels (the stage ops, the no-grad op, the
 # two-op training pass)
 CUDA_BODY_OPS = ("chunk_intra_fwd", "chunk_wy_fwd", "chunk_state_fwd", "chunk_intra_bwd",

@@ -1,10 +1,13 @@
-"""Exact results on the GPU when gates break a declared ``lower_bound``.
+"""Exact results on the GPU when a chunk's decay leaves a fast scheme's range.
 
-A declared bound lets the TileLang kernels take a faster scheme that factors every decay of a
-chunk through one centre (``csrc_tl/intra_fwd.py``, ``csrc_tl/intra_bwd.py``): its exponents
-grow with the chunk's total decay, which the bound caps.  A gate below the bound can push them
-out of range, so each op that runs such a scheme checks the chunks it computed, on the device
-and without a host sync, and recomputes the ones that break the bound with the exact scheme:
+The TileLang kernels have faster schemes that factor every decay of a chunk through one centre
+(``csrc_tl/intra_fwd.py``, ``csrc_tl/intra_bwd.py``, ``csrc_tl/fused_fwd.py``): their
+exponents grow with the chunk's total decay.  A declared ``lower_bound`` caps it and licenses
+them; the intra kernels also take them without a licence at chunks of 16 and 32 rows, where a
+chunk leaves their range only under extreme gates (``torch_dplr.ops.kernels.intra_schemes``).
+A gate below the declared bound, or an extreme gate, can push the exponents out of range, so
+each op that runs such a scheme checks the chunks it computed, on the device and without a
+host sync, and recomputes the ones past its range with the exact scheme:
 
 * ``chunk_intra_fwd`` / ``chunk_intra_bwd``: a (chunk, head) is *breaking* when some column of
   its total decay ``gl`` (log2 units; the backward reads the forward's) is past the scheme's

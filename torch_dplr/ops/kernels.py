@@ -62,25 +62,51 @@ def _fused_fwd_built(chunk_size: int, K: int, V: int, dtype: torch.dtype,
             and _name(dtype) in fused.DTYPES and intra_fwd.centred_is_safe(chunk_size, lower_bound))
 
 
+# Chunk sizes at which the intra kernels take their centred schemes for any gates, not only
+# where a declared lower bound licenses them.  Each op checks its chunks on the device and
+# recomputes exactly the ones whose decay left the schemes' range (ops/gate_bound.py): at
+# these sizes a chunk leaves it only when a column's gates average below -138/C nats over the
+# whole chunk (-4.3 at C = 32), past what decay gates do in practice, while the exact tiled
+# scheme alone costs 3-5x the centred one.  At C = 64 the limit is -2.2 a token, which heavy-
+# tailed gates cross in most chunks (each would then pay both schemes): there the tiled scheme
+# runs unless a declared bound licenses the centred one.
+CHECKED_CENTRED_CHUNKS = (16, 32)
+
+
+def intra_schemes(chunk_size: int, dtype: torch.dtype, lower_bound: float) -> tuple[str, bool]:
+    """``(scheme, bounded)``: the intra forward's and backward's scheme options for a
+    configuration (``csrc_tl.intra_fwd.intra_fwd_kernel``, ``csrc_tl.intra_bwd.
+    intra_bwd_kernel``).  A fast scheme that no declared bound licenses is checked chunk by
+    chunk like a licensed one (:data:`CHECKED_CENTRED_CHUNKS`); fp16's backward keeps the exact
+    scheme then (its operands hold exponents up to 8: a chunk's decay up to 16, in log2)."""
+    intra_fwd, intra_bwd = _family("intra_fwd"), _family("intra_bwd")
+    scheme = intra_fwd.scheme_for(chunk_size, lower_bound)
+    bounded = intra_bwd.select_scheme(chunk_size, dtype, lower_bound)
+    if chunk_size in CHECKED_CENTRED_CHUNKS:
+        scheme = "centred"
+        bounded = bounded or dtype == torch.bfloat16
+    return scheme, bounded
+
+
 @functools.lru_cache(maxsize=None)
 def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: torch.dtype,
              lower_bound: float) -> dict[str, tuple]:
     """``{kernel name: (factory, config)}`` for the six stage kernels of one configuration
     (named after their ops), the small-grid state backward's ``"state_bwd_dh"`` and
-    ``"state_bwd_grads"``, ``"intra_fwd_exact"`` / ``"intra_bwd_exact"`` where the declared
-    bound selects a faster intra scheme (the exact one recomputes the chunks that break it),
+    ``"state_bwd_grads"``, ``"intra_fwd_exact"`` / ``"intra_bwd_exact"`` where an intra op
+    takes a faster scheme (:func:`intra_schemes`; the exact one recomputes the chunks that
+    leave its range),
     and ``"fused_fwd"`` where it is built (the gate dtype must then be fp32 or ``dtype``)."""
     intra_fwd, intra_bwd, wy_fwd, wy_bwd, state_fwd, state_bwd, state_bwd_split = map(
         _family, ("intra_fwd", "intra_bwd", "wy_fwd", "wy_bwd", "state_fwd", "state_bwd",
                   "state_bwd_split"))
     C, dt, gdt = chunk_size, _name(dtype), _name(gate_dtype)
+    scheme, bounded = intra_schemes(C, dtype, lower_bound)
     kernels = {
         "intra_fwd": (intra_fwd.intra_fwd_kernel,
-                      dict(C=C, K=K, dtype=dt, gate_dtype=gdt,
-                           scheme=intra_fwd.scheme_for(C, lower_bound))),
+                      dict(C=C, K=K, dtype=dt, gate_dtype=gdt, scheme=scheme)),
         "intra_bwd": (intra_bwd.intra_bwd_kernel,
-                      dict(C=C, K=K, dtype=dt, gk_dtype=gdt,
-                           bounded=intra_bwd.select_scheme(C, dtype, lower_bound))),
+                      dict(C=C, K=K, dtype=dt, gk_dtype=gdt, bounded=bounded)),
         "wy_fwd": (wy_fwd.wy_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "wy_bwd": (wy_bwd.wy_bwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
         "state_fwd": (state_fwd.state_fwd_kernel, dict(C=C, K=K, V=V, dtype=dt)),
@@ -91,7 +117,7 @@ def pipeline(chunk_size: int, K: int, V: int, dtype: torch.dtype, gate_dtype: to
         "state_bwd_grads": (state_bwd_split.state_bwd_split_kernel,
                             dict(C=C, K=K, V=V, dtype=dt, stage="grads")),
     }
-    # the exact schemes, for the chunks whose gates break the bound (ops/gate_bound.py)
+    # the exact schemes, for the chunks past the fast schemes' range (ops/gate_bound.py)
     if kernels["intra_fwd"][1]["scheme"] != "tiled":
         kernels["intra_fwd_exact"] = (intra_fwd.intra_fwd_kernel,
                                       dict(kernels["intra_fwd"][1], scheme="tiled", redo=True))
