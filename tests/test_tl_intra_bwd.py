@@ -127,10 +127,14 @@ def _gl(inp, cu, scale, C):
     return chunk_intra_fwd_reference(q, k, a, b, gk, cu, scale, C, float("-inf"))[0]
 
 
-def _check(cfg, inp, grads, cu, scale, dtype):
+def _check(cfg, inp, grads, cu, scale, dtype, checked=False):
+    """``checked``: the bounded kernel, then the exact one's redo form over its outputs, as the
+    op runs them without a licensing bound (``cfg`` names the bounded kernel)."""
     q, k, a, b, gk = (inp[n] for n in ("q", "k", "a", "b", "gk"))
     gl = _gl(inp, cu, scale, cfg["C"])
     outs = _run_kernel(cfg, inp, grads, cu, scale, gl)
+    if checked:
+        outs = _run_kernel(dict(cfg, bounded=False, redo=True), inp, grads, cu, scale, gl, outs)
     ref = chunk_intra_bwd_reference(q, k, a, b, gk, cu, gl, *(grads[n] for n in GRAD_NAMES),
                                     scale, cfg["C"], float("-inf"))
     errors = {}
@@ -176,23 +180,24 @@ def test_variant_small(cfg, layout):
     _check(cfg, inp, grads, cu, cfg["K"] ** -0.5, dtype)
 
 
-REAL = [  # (C, gate style, bounded)
-    (64, "rwkv7", True), (64, "unbounded", False), (64, "saturated", False),
-    (32, "saturated", True), (32, "unbounded", False),
-    (16, "rwkv7", True), (16, "unbounded", False),
+REAL = [  # (C, gate style, scheme: bounded, unbounded or checked = bounded + exact redo)
+    (64, "rwkv7", "bnd"), (64, "unbounded", "unb"), (64, "saturated", "unb"),
+    (64, "unbounded", "checked"),
+    (32, "saturated", "bnd"), (32, "unbounded", "unb"), (32, "unbounded", "checked"),
+    (16, "rwkv7", "bnd"), (16, "unbounded", "unb"), (16, "unbounded", "checked"),
 ]
 
 
-@pytest.mark.parametrize("C,gates,bounded", REAL, ids=[f"C{c}-{g}-{'bnd' if b else 'unb'}" for c, g, b in REAL])
-def test_real_size_pipeline_grads(C, gates, bounded):
+@pytest.mark.parametrize("C,gates,scheme", REAL, ids=[f"C{c}-{g}-{s}" for c, g, s in REAL])
+def test_real_size_pipeline_grads(C, gates, scheme):
     """B=1 T=2048 H=16 K=128 bf16, gradients from the reference pipeline, RWKV-7 scale 1."""
-    if bounded:
+    if scheme == "bnd":
         assert select_scheme(C, "bfloat16", RWKV7_BOUND)
     inp = _inputs(1, 2048, 16, 128, torch.bfloat16, gates, None, seed=C)
     cu = _cu(None)
     grads = _pipeline_grads(inp, C, cu, 1.0, seed=C)
-    cfg = dict(C=C, K=128, dtype="bfloat16", gk_dtype="float32", bounded=bounded)
-    _check(cfg, inp, grads, cu, 1.0, torch.bfloat16)
+    cfg = dict(C=C, K=128, dtype="bfloat16", gk_dtype="float32", bounded=scheme != "unb")
+    _check(cfg, inp, grads, cu, 1.0, torch.bfloat16, checked=scheme == "checked")
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bnd", "unb"])

@@ -43,7 +43,11 @@ def _bound(gates):
 def run_kernel(q, k, a, b, gk, cu_seqlens, scale, chunk_size, scheme, redo=False, outs=None):
     """Allocate the outputs as the op does (or take ``outs``), launch the kernel on the
     flattened sequence list; returns the 9 outputs in the op's shapes. New outputs start as
-    NaN: an unwritten entry fails."""
+    NaN: an unwritten entry fails. ``scheme="checked"``: the centred kernel, then the tiled
+    one's redo form over its outputs, as the op runs them without a licensing bound."""
+    if scheme == "checked":
+        args = (q, k, a, b, gk, cu_seqlens, scale, chunk_size)
+        return run_kernel(*args, "tiled", redo=True, outs=run_kernel(*args, "centred"))
     B, T = q.shape[:2]
     if outs is None:
         specs = intra_fwd_shapes(q, gk, cu_seqlens, chunk_size)
@@ -86,8 +90,9 @@ def check(B, T, H, K, dtype, gates, chunk_size, scheme, cu=None, gate_dtype=None
 
 
 def _schemes(chunk_size, gates):
-    """The tiled scheme is exact for every gate; the centred one only where the bound allows."""
-    out = ["tiled"]
+    """The tiled scheme is exact for every gate, and so is the centred one followed by the
+    exact redo; the centred one alone only where the bound allows."""
+    out = ["tiled", "checked"]
     if kmod.centred_is_safe(chunk_size, _bound(gates)):
         out.append("centred")
     return out
