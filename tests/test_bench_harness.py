@@ -317,10 +317,11 @@ def test_prewarm_jobs_keep_each_layout_short():
     # torch_dplr, over the envelope's 6 (chunk size, head dim) pairs and 10 (chunk size, head
     # dim, gate bound) configurations (rwkv7: 3 chunk sizes x 2 head dims, unbounded: 2 x 2):
     # WY forward and backward, state forward and backward and the two split state-backward
-    # kernels per pair (both gate styles share them); the two intra kernels per configuration;
-    # the two exact intra kernels of each rwkv7 configuration, in their redo form; the fused
-    # forward (chunk 64, D64, rwkv7)
-    assert len(prewarm.dplr_items(envelope)) == 6 * 6 + 10 * 2 + 6 * 2 + 1
+    # kernels per pair (both gate styles share them); the two intra kernels of each rwkv7
+    # configuration and their two exact kernels in the redo form (the unbounded
+    # configurations, chunks 16 and 32, run the same four: the checked centred schemes); the
+    # fused forward (chunk 64, D64, rwkv7)
+    assert len(prewarm.dplr_items(envelope)) == 6 * 6 + 6 * 2 + 6 * 2 + 1
 
 
 def test_prewarm_tunes_nothing_it_would_drop():
