@@ -36,7 +36,7 @@ by every V-block CTA; BV = V (one CTA per (sequence, head)) is the default.
 Gates: centred scheme only (a declared lower bound that licenses it, see
 ``csrc_tl.intra_fwd.centred_is_safe``); unbounded gates keep the staged path. A chunk whose
 gates break the bound (its total decay, -gl in log2 units, past
-``intra_fwd.CENTRED_MAX_EXPONENT`` in some column) is computed anyway, possibly as inf or NaN,
+``intra_fwd.centred_max_decay()`` in some column) is computed anyway, possibly as inf or NaN,
 and sets ``flags[n, h] = 1`` (the caller zeroes ``flags``); ``torch_dplr/ops/fused.py`` then
 recomputes the flagged (sequence, head) pairs exactly. One compare per column and chunk.
 
@@ -72,7 +72,7 @@ import itertools
 import tilelang.language as T
 
 from .compile import canonical_dtype, kernel_options
-from .intra_fwd import CENTRED_MAX_EXPONENT
+from .intra_fwd import centred_max_decay
 from .tile_macros import gate_scan_from, split, split_gemms, split_of, tf32, wgmma_join
 
 __all__ = ["fused_fwd_kernel", "chain_ranges", "variants", "ref_program", "smem_estimate", "CHUNK_SIZES",
@@ -194,7 +194,6 @@ def fused_fwd_kernel(
     if K % BK or BK % 8:
         raise ValueError(f"block_k={BK} must divide K={K} and be a multiple of 8")
     f32 = _ACC
-    mid = C // 2 - 1  # centre row of the centred scheme
     NSEG = threads // K  # row segments of the gate scan
     SL = C // NSEG
     SB = min(SL, 16)
@@ -246,10 +245,10 @@ def fused_fwd_kernel(
     @T.macro
     def operands_ab_ak(G, a_t, b_t, k_t, Ac, Bc, Kc, c0):
         """Centred tf32 operands of A_ab = Ac Bc^T and A_ak = Ac Kc^T for columns c0..c0+BK-1
-        (as csrc_tl.intra_fwd): a 2^(ge - gm), b / k 2^(gm - gi), gm = gi at the centre row."""
+        (as csrc_tl.intra_fwd): a 2^(ge - gm), b / k 2^(gm - gi), the centre gm = gl / 2."""
         for r, c in T.Parallel(C, BK):
             gi = G[r + 1, c0 + c]
-            gm = G[mid + 1, c0 + c]
+            gm = G[C, c0 + c] * 0.5
             f = T.exp2(gm - gi)
             Ac[r, c] = tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - gm))
             Bc[r, c] = tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
@@ -260,7 +259,7 @@ def fused_fwd_kernel(
         """Centred tf32 operands of A_qk = Qc Kc^T and A_qb = Qc Bc^T (columns c0..)."""
         for r, c in T.Parallel(C, BK):
             gi = G[r + 1, c0 + c]
-            gm = G[mid + 1, c0 + c]
+            gm = G[C, c0 + c] * 0.5
             f = T.exp2(gm - gi)
             Qc[r, c] = tf32(T.Cast(f32, q_t[r, c0 + c]) * T.exp2(gi - gm))
             Bc[r, c] = tf32(T.Cast(f32, b_t[r, c0 + c]) * f)
@@ -283,7 +282,7 @@ def fused_fwd_kernel(
         of A_qk / A_qb, and Ac as :func:`operands_ab_ak` forms it."""
         operands_qk_qb(G, q_t, b_t, k_t, Qc, Bc, Kc, c0)
         for r, c in T.Parallel(C, BK):
-            Ac[r, c] = tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - G[mid + 1, c0 + c]))
+            Ac[r, c] = tf32(T.Cast(f32, a_t[r, c0 + c]) * T.exp2(G[r, c0 + c] - G[C, c0 + c] * 0.5))
 
     @T.macro
     def four_products(G, q_t, a_t, b_t, k_t, Qc, Ac, Bc, Kc, Fqb, Fqk, Fab, Fak):
@@ -459,7 +458,7 @@ def fused_fwd_kernel(
                     gate_scan(L, T.get_thread_binding(), G, Tot, run, vals)
                     for kk in T.Parallel(K):
                         gl_s[kk] = G[C, kk]
-                        if G[C, kk] < -CENTRED_MAX_EXPONENT:  # the declared bound does not hold
+                        if G[C, kk] < -centred_max_decay():  # past the centred range
                             flags[i_n, i_h] = 1
                     if share_operands:
                         four_products(G, q_t, a_t, b_t, k_t, Xc, Wc, Yc, Zc, F1, F2, F3, F4)
