@@ -66,8 +66,8 @@ def _fused_fwd_built(chunk_size: int, K: int, V: int, dtype: torch.dtype,
 # where a declared lower bound licenses them.  Each op checks its chunks on the device and
 # recomputes exactly the ones whose decay left the schemes' range (ops/gate_bound.py): at
 # these sizes a chunk leaves it only when a column's gates average below -138/C nats over the
-# whole chunk (-4.3 at C = 32), past what decay gates do in practice, while the exact tiled
-# scheme alone costs 3-5x the centred one.  At C = 64 the limit is -2.2 a token, which heavy-
+# whole chunk (-4.3 at C = 32: 1.4% of the state kept per token), while the exact tiled scheme
+# alone costs 3-5x the centred one.  At C = 64 the limit is -2.2 a token, which heavy-
 # tailed gates cross in most chunks (each would then pay both schemes): there the tiled scheme
 # runs unless a declared bound licenses the centred one.
 CHECKED_CENTRED_CHUNKS = (16, 32)
