@@ -281,6 +281,9 @@ def schema_main():
 
 
 if __name__ == "__main__":
+    # one thread, as the GPU's host runs the step: the CPU ops that stand in for GPU work
+    # (adding two gradients of a leaf) would otherwise wait on a busy second core for ms
+    torch.set_num_threads(1)
     if sys.argv[1:2] == ["decode"]:
         decode_main(sys.argv[2:])
     elif sys.argv[1:2] == ["schema"]:

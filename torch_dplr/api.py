@@ -1,6 +1,9 @@
 """Public functions: argument names and order follow flash-linear-attention, so switching is
 one import.  They validate, then only compose ``torch.ops.dplr.*`` ops: under
-``torch.compile(fullgraph=True)`` a model sees a graph of opaque ``dplr::`` nodes.
+``torch.compile(fullgraph=True)`` a model sees a graph of opaque ``dplr::`` nodes.  Eager
+calls go through :func:`~torch_dplr.ops.direct_call.call_op`, which skips the dispatcher
+layers that would only redispatch and records a training op's formula as a plain autograd
+node (the op's own autograd layer under compile, functorch and dispatch modes).
 
 Save-versus-recompute is not a flag here: without checkpointing, autograd keeps each stage's
 outputs (FLA's ``disable_recompute=True``); wrap the model in ``torch.utils.checkpoint`` with
@@ -155,24 +158,24 @@ def _chunk_ops(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, C, bound,
     cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
     # the GPU kernels' chunk tables, built once for every op of the call (forward and backward;
     # the PyTorch kernels ignore them, built anyway so a graph is the same on every device)
-    tables = torch.ops.dplr.chunk_tables(cu, q.shape[0], q.shape[1], C)
+    tables = call_op(torch.ops.dplr.chunk_tables, cu, q.shape[0], q.shape[1], C)
     if not _needs_grad(q, k, v, a, b, gk, initial_state):
         # nothing to keep for a backward: one op (one fused kernel on CUDA where it applies).
         # Grad mode and requires_grad are static to Dynamo: a compiled no-grad graph holds
         # this node, a training graph the staged ones.
-        o, final_state = torch.ops.dplr.chunk_fwd_fused(q, k, v, a, b, gk, h0, cu, scale, C,
-                                                        bound, use_h0, tables)
+        o, final_state = call_op(torch.ops.dplr.chunk_fwd_fused, q, k, v, a, b, gk, h0, cu,
+                                 scale, C, bound, use_h0, tables)
         return o, (final_state if output_final_state else None)
     if training_pass() == "split":
         # the two-op pass (torch_dplr.ops.dataflow): chunk-local terms never leave a kernel
-        o, final_state, _ = torch.ops.dplr.chunk_fwd(q, k, v, a, b, gk, h0, cu, scale, C, bound,
-                                                     use_h0, tables)
+        o, final_state, _ = call_op(torch.ops.dplr.chunk_fwd, q, k, v, a, b, gk, h0, cu, scale,
+                                    C, bound, use_h0, tables)
         return o, (final_state if output_final_state else None)
-    gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = torch.ops.dplr.chunk_intra_fwd(
-        q, k, a, b, gk, cu, scale, C, bound, tables)
-    _, w, u = torch.ops.dplr.chunk_wy_fwd(A_ab, A_ak, ag, v, cu, C, tables)
-    o, final_state, _, _ = torch.ops.dplr.chunk_state_fwd(
-        qg, kg, bg, w, u, v, A_qk, A_qb, gl, h0, cu, C, use_h0, True, tables)
+    gl, A_qk, A_qb, A_ak, A_ab, qg, kg, ag, bg = call_op(
+        torch.ops.dplr.chunk_intra_fwd, q, k, a, b, gk, cu, scale, C, bound, tables)
+    _, w, u = call_op(torch.ops.dplr.chunk_wy_fwd, A_ab, A_ak, ag, v, cu, C, tables)
+    o, final_state, _, _ = call_op(torch.ops.dplr.chunk_state_fwd, qg, kg, bg, w, u, v, A_qk,
+                                   A_qb, gl, h0, cu, C, use_h0, True, tables)
     return o, (final_state if output_final_state else None)
 
 

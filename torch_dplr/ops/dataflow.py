@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .chunked import without_autocast
+from .direct_call import register_autograd
 from .intra import (chunk_intra_bwd_cuda, chunk_intra_bwd_reference, chunk_intra_fwd_cuda,
                     chunk_intra_fwd_reference)
 from .shapes import (allocate, chunk_bwd_shapes, chunk_fwd_shapes, num_sequences,
@@ -263,5 +264,5 @@ def _backward(ctx, do, dht, dstates_unused):
     return (*grads, dh0 if use_initial_state else None, None, None, None, None, None, None)
 
 
-chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(chunk_fwd, _backward, _setup_context)
 

@@ -1,10 +1,54 @@
 """Calling a custom op past the dispatcher layers that would only redispatch.
 
 A decode step is one small launch, so its host time is the call's time; the per-token entries
-(``torch_dplr.api``, ``torch_dplr.serving``) call their op through :func:`call_op`.
+(``torch_dplr.api``, ``torch_dplr.serving``) call their op through :func:`call_op`.  An eager
+training step is host-bound on small grids, so the chunked entries call their ops through it
+too: with a gradient to build, an op registered with :func:`register_autograd` then records
+its formula as a plain ``autograd.Function`` instead of entering PyTorch's custom-op autograd
+kernel.
 """
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+# qualified op name -> Function.apply of the op's own formula (see _eager_node)
+_EAGER_NODES: dict[str, Callable] = {}
+
+
+def _eager_node(overload, backward, setup_context) -> Callable:
+    """The autograd node that ``overload.register_autograd(backward, setup_context)`` makes,
+    as a plain ``autograd.Function``: the same saved tensors, freed when its backward has run,
+    and the same gradients.  It skips what the custom-op kernel adds around them per call
+    (its Python wrappers, filling the schema's defaults, which is quadratic in the arity, a
+    redispatch): about a fifth of an eager stage-pass step's host time
+    (``tools/host_sim.py``).  A second derivative raises, as it does through the op, whose
+    backward ops have no formula."""
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = overload(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    @torch.autograd.function.once_differentiable
+    def backward_below_autograd(ctx, *grads):
+        with torch._C._AutoDispatchBelowAutograd():
+            return tuple(backward(ctx, *grads))
+
+    # named after the op: its grad_fn reads dplr_<op>Backward
+    name = overload._schema.name.replace("::", "_")
+    node = type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward),
+                 "backward": staticmethod(backward_below_autograd)})
+    return node.apply
+
+
+def register_autograd(op, backward, setup_context) -> None:
+    """``op.register_autograd(backward, setup_context=setup_context)`` for a
+    ``torch.library.custom_op`` ``op``, and the same formula for :func:`call_op`'s eager
+    calls."""
+    op.register_autograd(backward, setup_context=setup_context)
+    _EAGER_NODES[op._qualname] = _eager_node(op._opoverload, backward, setup_context)
 
 
 def call_op(op, *args, mutated: Tensor | None = None):
@@ -16,10 +60,18 @@ def call_op(op, *args, mutated: Tensor | None = None):
     effect (bumping ``mutated``'s version counter) is done here.  Every layer runs while
     Dynamo traces (so the graph holds the op) and under a functorch transform; the in-place
     kernel also runs for an inference tensor ``mutated``: inside inference mode the
-    dispatcher skips it anyway, outside it the body's in-place writes must raise as usual."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))):
+    dispatcher skips it anyway, outside it the body's in-place writes must raise as usual.
+
+    When a gradient is needed, an op registered with :func:`register_autograd` that writes
+    nothing records its eager node (:func:`_eager_node`), unless a dispatch mode is active: a
+    checkpoint policy, fake or proxy tensors must see the op's own autograd layer."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return op(*args)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        node = _EAGER_NODES.get(getattr(op, "_qualified_op_name", None))
+        if node is None or mutated is not None or torch._C._len_torch_dispatch_stack():
+            return op(*args)
+        return node(*args)
     if mutated is None or mutated.is_inference():
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)

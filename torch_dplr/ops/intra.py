@@ -15,6 +15,7 @@ import torch
 
 from ..reference import intra as ref
 from .chunked import ChunkedView, without_autocast
+from .direct_call import register_autograd
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for, pipeline
 from .tilelang_path import kernels_apply
@@ -149,4 +150,4 @@ def _backward(ctx, *grads):
     return dq, dk, da, db, dgk, None, None, None, None, None
 
 
-chunk_intra_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(chunk_intra_fwd, _backward, _setup_context)

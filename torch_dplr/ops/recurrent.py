@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..reference import recurrent as ref
 from .chunked import SequenceView, start_state, without_autocast
+from .direct_call import register_autograd
 from .shapes import (allocate, num_sequences, recurrent_bwd_shapes, recurrent_fwd_shapes,
                      zeros_for_missing)
 from .triton_path import SWEEP_CHUNK, per_token_kernel_applies, sweep_kernels_apply
@@ -199,4 +200,4 @@ def _backward(ctx, do, dht):
     return (*grads, dh0 if use_initial_state else None, None, None, None, None)
 
 
-recurrent_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(recurrent_fwd, _backward, _setup_context)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..reference import state as ref
 from .chunked import ChunkedView, start_state, without_autocast
+from .direct_call import register_autograd
 from .shapes import allocate, num_sequences, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
 from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply, sm_count
@@ -209,4 +210,4 @@ def _backward(ctx, do, dht, dh_unused, dv_new_unused):
             None, None, None, None, None)
 
 
-chunk_state_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(chunk_state_fwd, _backward, _setup_context)

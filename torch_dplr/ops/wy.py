@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..reference import wy as ref
 from .chunked import ChunkedView, without_autocast
+from .direct_call import register_autograd
 from .shapes import acc_dtype, allocate, wy_bwd_shapes, wy_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
 from .tilelang_path import kernels_apply
@@ -105,4 +106,4 @@ def _backward(ctx, dA_ab_inv, dw, du):
     return dA_ab, dA_ak, dag, dv, None, None, None
 
 
-chunk_wy_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(chunk_wy_fwd, _backward, _setup_context)
