@@ -2,25 +2,35 @@
 (``torch_dplr.ops.direct_call``): the public chunked and per-token calls, with a gradient to
 build, outside torch.compile, functorch transforms and dispatch modes.
 
-* The graph holds the eager nodes in eager mode and the ops' own autograd nodes under a
-  dispatch mode (a checkpoint policy's, here a pass-through one); both give bit-identical o,
-  final state and gradients, for the stage pass, the two-op pass and the per-token op.
+* The graph holds the eager nodes in eager mode, under a checkpoint policy too, and the ops'
+  own autograd nodes under any other dispatch mode (here a pass-through one); both give
+  bit-identical o, final state and gradients, for the stage pass, the two-op pass and the
+  per-token op.
+* Under each shipped policy the eager nodes keep the gradients of the uncheckpointed call, bit
+  for bit, and the recompute runs exactly the ops the policy says it recomputes (counted at
+  their PyTorch kernels).
 * The eager nodes free their saved tensors like the op's nodes: a plain (policy-less)
   ``torch.utils.checkpoint`` gives the same gradients, and a backward through a freed graph
   raises.
 * A second derivative raises, through the eager nodes as through the ops.
 
-The policies' counts (compile_tests/test_policies.py) and the compiled graphs
-(compile_tests/test_fullgraph.py) check the op path.
+compile_tests/test_policies.py counts the policies' ops through a dispatch mode of its own,
+so through the op path; compile_tests/test_fullgraph.py checks the compiled graphs.
 """
 from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch._library.custom_ops import OPDEFS
 from torch.utils.checkpoint import checkpoint
 
 import torch_dplr
+from torch_dplr import policies
 from torch_dplr.ops import dataflow
 from torch_dplr.testing import make_inputs
 
@@ -89,6 +99,47 @@ def test_plain_checkpoint_matches_no_checkpoint():
     _, checkpointed = _run(lambda leaves: checkpoint(_chunked, leaves, use_reentrant=False), x)
     for got, want in zip(checkpointed, plain):
         assert torch.equal(got, want)
+
+
+@contextlib.contextmanager
+def _counting_cpu_kernels(counts: Counter):
+    """Counts the calls of each forward op's CPU kernel (its PyTorch kernel, unchanged)."""
+    with torch.library._scoped_library("dplr", "IMPL") as lib:
+        for op in policies.FORWARD_OPS:
+            if op.namespace != "dplr":
+                continue
+            kernel = OPDEFS[op.name()]._init_fn
+
+            def counting(*args, op=op, kernel=kernel):
+                counts[op] += 1
+                return kernel(*args)
+            with warnings.catch_warnings():  # overriding a registered kernel warns
+                warnings.simplefilter("ignore")
+                lib.impl(op.name().split("::")[1], counting, "CPU", allow_override=True)
+        yield
+
+
+@pytest.mark.parametrize("pass_", ["stages", "split"])
+@pytest.mark.parametrize("policy", sorted(policies.POLICIES))
+def test_policies_on_eager_nodes(monkeypatch, policy, pass_):
+    monkeypatch.setenv(dataflow.TRAINING_PASS_VAR, pass_)
+    context_fn = policies.context_fn(policy)
+    x = make_inputs(2, 40, 2, 16, seed=8)
+    _, plain = _run(_chunked, x)
+    forward, backward = Counter(), Counter()
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in NAMES}
+    with _counting_cpu_kernels(forward):
+        o, ht = checkpoint(_chunked, leaves, use_reentrant=False, context_fn=context_fn)
+    gen = torch.Generator().manual_seed(1)
+    loss = ((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+            + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum())
+    with _counting_cpu_kernels(backward):
+        loss.backward()
+    assert o.grad_fn.name() in ("dplr_chunk_state_fwdBackward", "dplr_chunk_fwdBackward")
+    checkpointed = [o, ht] + [leaves[n].grad for n in NAMES]
+    assert all(torch.equal(g, w) for g, w in zip(checkpointed, plain))
+    assert forward and set(forward.values()) == {1}
+    assert set(backward) == set(forward) & policies.recomputed_ops(policy)
 
 
 def test_backward_twice_through_a_freed_graph_raises():

@@ -1,8 +1,9 @@
 """The host side of a CUDA call, on a CPU machine: what the Python around the kernels costs.
 
-Three harnesses: chunked training steps (below), decode steps (``decode``: the per-token
-entries, see :func:`decode_main`), and what filling the schema defaults costs the ops that a
-training step calls with grad (``schema``, :func:`schema_main`).
+Four harnesses: chunked training steps (below), the same steps through the ops' eager nodes
+against their own autograd layer (``eager``, :func:`eager_main`), decode steps (``decode``: the
+per-token entries, see :func:`decode_main`), and what filling the schema defaults costs the
+ops that a training step calls with grad (``schema``, :func:`schema_main`).
 
 Every ``dplr`` op's CUDA function runs as its CPU kernel and every TileLang launch is a no-op
 (``torch_dplr.testing.cuda_op_bodies_on_cpu``), so a step runs the op bodies,
@@ -19,6 +20,7 @@ tools/host_probe.py there), and they drift between runs: compare the variants of
 
     python tools/host_sim.py                      # B2 T64 H8 D64, chunk 64
     python tools/host_sim.py 2 64 8 64 16
+    python tools/host_sim.py eager 2 64 8 64 64   # eager nodes against the ops' autograd
     python tools/host_sim.py decode               # decode steps, H32, batches 1/16/128, D64/128
     python tools/host_sim.py schema               # the autograd ops' schema-default filling
 """
@@ -39,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_dplr
 from torch_dplr import policies
+from torch_dplr.ops import direct_call
 from torch_dplr.ops.dataflow import training_pass
 from torch_dplr.testing import CUDA_BODY_OPS, RWKV7_BOUND, cuda_op_bodies_on_cpu
 
@@ -77,14 +80,15 @@ def _block_us(step, n=100) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
-def _time_both(lib, real: dict, empty: dict, steps: dict, blocks=8) -> dict:
-    """Median host microseconds per step over ``blocks`` blocks of each variant, alternating
-    (this machine's speed drifts; alternating puts the drift on both)."""
-    times = {variant: {name: [] for name in steps} for variant in ("bodies", "bodies_empty")}
+def _alternating(variants: dict, steps: dict, blocks=8) -> dict:
+    """Median host microseconds per step of each variant (a function that switches the process
+    to it) over ``blocks`` blocks, alternating the variants' order block by block (this
+    machine's speed drifts; alternating puts the drift on all of them)."""
+    times = {variant: {name: [] for name in steps} for variant in variants}
+    order = list(variants.items())
     for block in range(blocks):
-        order = (("bodies", real), ("bodies_empty", empty))
-        for variant, bodies in order if block % 2 == 0 else reversed(order):
-            _register_cpu(lib, bodies)
+        for variant, switch in order if block % 2 == 0 else order[::-1]:
+            switch()
             for name, step in steps.items():
                 for _ in range(3):
                     step()
@@ -93,9 +97,8 @@ def _time_both(lib, real: dict, empty: dict, steps: dict, blocks=8) -> dict:
             for variant, per in times.items()}
 
 
-def main():
-    B, T, H, D, C = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (2, 64, 8, 64, 64)))
-    cuda_bodies = {name: OPDEFS[f"dplr::{name}"]._backend_fns["cuda"] for name in STAGE_OPS}
+def _training_steps(B: int, T: int, H: int, D: int, C: int) -> dict:
+    """An eager RWKV-7 forward+backward, bare and under the ``save_state`` policy."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, a, b = (torch.randn(B, T, H, D, generator=gen).bfloat16().requires_grad_()
                      for _ in range(5))
@@ -114,12 +117,39 @@ def main():
         torch.autograd.grad(o, leaves, do)
 
     save_state = policies.context_fn("save_state")
-    steps = {"fwd_bwd": fwd_bwd, "fwd_bwd_save_state": lambda: fwd_bwd(save_state)}
+    return {"fwd_bwd": fwd_bwd, "fwd_bwd_save_state": lambda: fwd_bwd(save_state)}
+
+
+def _shape(argv) -> tuple:
+    return tuple(int(x) for x in (argv[:5] if len(argv) > 4 else (2, 64, 8, 64, 64)))
+
+
+def main(argv):
+    B, T, H, D, C = _shape(argv)
+    cuda_bodies = {name: OPDEFS[f"dplr::{name}"]._backend_fns["cuda"] for name in STAGE_OPS}
     empty = {name: _allocating_only(name, body) for name, body in cuda_bodies.items()}
     with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
         lib = torch.library.Library("dplr", "IMPL")  # swaps the bodies of the two variants
+        variants = {"bodies": lambda: _register_cpu(lib, cuda_bodies),
+                    "bodies_empty": lambda: _register_cpu(lib, empty)}
         result = {"shape": [B, T, H, D], "chunk": C, "training_pass": training_pass(),
-                  **_time_both(lib, cuda_bodies, empty, steps)}
+                  **_alternating(variants, _training_steps(B, T, H, D, C))}
+    print(json.dumps(result))
+
+
+def eager_main(argv):
+    """The same steps with each op's eager node (``torch_dplr.ops.direct_call``) against
+    the op's own autograd layer (no eager node registered), in one process."""
+    B, T, H, D, C = _shape(argv)
+    nodes = dict(direct_call._EAGER_NODES)
+    variants = {"eager_nodes": lambda: direct_call._EAGER_NODES.update(nodes),
+                "op_autograd": direct_call._EAGER_NODES.clear}
+    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
+        try:
+            result = {"shape": [B, T, H, D], "chunk": C, "training_pass": training_pass(),
+                      **_alternating(variants, _training_steps(B, T, H, D, C))}
+        finally:
+            direct_call._EAGER_NODES.update(nodes)
     print(json.dumps(result))
 
 
@@ -288,5 +318,7 @@ if __name__ == "__main__":
         decode_main(sys.argv[2:])
     elif sys.argv[1:2] == ["schema"]:
         schema_main()
+    elif sys.argv[1:2] == ["eager"]:
+        eager_main(sys.argv[2:])
     else:
-        main()
+        main(sys.argv[1:])

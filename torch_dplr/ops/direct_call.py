@@ -10,6 +10,7 @@ kernel.
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 # qualified op name -> Function.apply of the op's own formula (see _eager_node)
@@ -43,6 +44,18 @@ def _eager_node(overload, backward, setup_context) -> Callable:
     return node.apply
 
 
+# selective checkpointing's two modes (a policy's forward and its recompute): they see the op
+# below autograd, as they see it under the op's own autograd node
+_CHECKPOINT_MODES = (torch.utils.checkpoint._CachingTorchDispatchMode,
+                     torch.utils.checkpoint._CachedTorchDispatchMode)
+
+
+def _only_checkpoint_modes() -> bool:
+    """Whether every active dispatch mode is selective checkpointing's (or none is)."""
+    return all(isinstance(torch._C._get_dispatch_stack_at(i), _CHECKPOINT_MODES)
+               for i in range(torch._C._len_torch_dispatch_stack()))
+
+
 def register_autograd(op, backward, setup_context) -> None:
     """``op.register_autograd(backward, setup_context=setup_context)`` for a
     ``torch.library.custom_op`` ``op``, and the same formula for :func:`call_op`'s eager
@@ -63,13 +76,14 @@ def call_op(op, *args, mutated: Tensor | None = None):
     dispatcher skips it anyway, outside it the body's in-place writes must raise as usual.
 
     When a gradient is needed, an op registered with :func:`register_autograd` that writes
-    nothing records its eager node (:func:`_eager_node`), unless a dispatch mode is active: a
-    checkpoint policy, fake or proxy tensors must see the op's own autograd layer."""
+    nothing records its eager node (:func:`_eager_node`), also under a checkpoint policy;
+    under any other dispatch mode (fake or proxy tensors, a counting or logging mode) the
+    op's own autograd layer runs."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return op(*args)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
         node = _EAGER_NODES.get(getattr(op, "_qualified_op_name", None))
-        if node is None or mutated is not None or torch._C._len_torch_dispatch_stack():
+        if node is None or mutated is not None or not _only_checkpoint_modes():
             return op(*args)
         return node(*args)
     if mutated is None or mutated.is_inference():
