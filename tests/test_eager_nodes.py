@@ -1,6 +1,7 @@
 """Eager training calls record each op's formula as a plain ``autograd.Function``
 (``torch_dplr.ops.direct_call``): the public chunked and per-token calls, with a gradient to
-build, outside torch.compile, functorch transforms and dispatch modes.
+build, outside torch.compile, functorch transforms and dispatch modes other than selective
+checkpointing's.
 
 * The graph holds the eager nodes in eager mode, under a checkpoint policy too, and the ops'
   own autograd nodes under any other dispatch mode (here a pass-through one); both give
@@ -25,8 +26,8 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch._library.custom_ops import OPDEFS
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import torch_dplr

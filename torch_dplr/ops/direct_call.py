@@ -18,13 +18,13 @@ _EAGER_NODES: dict[str, Callable] = {}
 
 
 def _eager_node(overload, backward, setup_context) -> Callable:
-    """The autograd node that ``overload.register_autograd(backward, setup_context)`` makes,
-    as a plain ``autograd.Function``: the same saved tensors, freed when its backward has run,
-    and the same gradients.  It skips what the custom-op kernel adds around them per call
-    (its Python wrappers, filling the schema's defaults, which is quadratic in the arity, a
-    redispatch): about a fifth of an eager stage-pass step's host time
-    (``tools/host_sim.py``).  A second derivative raises, as it does through the op, whose
-    backward ops have no formula."""
+    """The autograd node that registering ``backward`` and ``setup_context`` makes for the op
+    of ``overload``, as a plain ``autograd.Function``: the same saved tensors, freed when its
+    backward has run, and the same gradients.  It skips what the custom-op kernel adds around
+    them per call (its Python wrappers, filling the schema's defaults, which is quadratic in
+    the arity, a redispatch): about a sixth of an eager stage-pass step's host time, bare or
+    under ``save_state`` (``python tools/host_sim.py eager``).  A second derivative raises,
+    as it does through the op, whose backward ops have no formula."""
     def forward(ctx, *args):
         with torch._C._AutoDispatchBelowAutograd():
             output = overload(*args)
