@@ -57,15 +57,23 @@ def _per_token(leaves):
         output_final_state=True)
 
 
+def _leaves(x):
+    return {n: x[n].detach().clone().requires_grad_() for n in NAMES}
+
+
+def _loss(o, ht):
+    """A fixed random weighting of o and the final state."""
+    gen = torch.Generator().manual_seed(1)
+    return ((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+            + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum())
+
+
 def _run(call, x, mode=None):
-    leaves = {n: x[n].detach().clone().requires_grad_() for n in NAMES}
+    leaves = _leaves(x)
     with mode or torch.autograd.grad_mode.enable_grad():
         o, ht = call(leaves)
         node = o.grad_fn.name()
-        gen = torch.Generator().manual_seed(1)
-        loss = ((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
-                + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum())
-        loss.backward()
+        _loss(o, ht).backward()
     return node, [o, ht] + [leaves[n].grad for n in NAMES]
 
 
@@ -128,14 +136,11 @@ def test_policies_on_eager_nodes(monkeypatch, policy, pass_):
     x = make_inputs(2, 40, 2, 16, seed=8)
     _, plain = _run(_chunked, x)
     forward, backward = Counter(), Counter()
-    leaves = {n: x[n].detach().clone().requires_grad_() for n in NAMES}
+    leaves = _leaves(x)
     with _counting_cpu_kernels(forward):
         o, ht = checkpoint(_chunked, leaves, use_reentrant=False, context_fn=context_fn)
-    gen = torch.Generator().manual_seed(1)
-    loss = ((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
-            + (ht * torch.randn(ht.shape, generator=gen, dtype=ht.dtype)).sum())
     with _counting_cpu_kernels(backward):
-        loss.backward()
+        _loss(o, ht).backward()
     assert o.grad_fn.name() in ("dplr_chunk_state_fwdBackward", "dplr_chunk_fwdBackward")
     checkpointed = [o, ht] + [leaves[n].grad for n in NAMES]
     assert all(torch.equal(g, w) for g, w in zip(checkpointed, plain))
@@ -145,7 +150,7 @@ def test_policies_on_eager_nodes(monkeypatch, policy, pass_):
 
 def test_backward_twice_through_a_freed_graph_raises():
     x = make_inputs(1, 20, 1, 16, seed=6)
-    leaves = {n: x[n].detach().clone().requires_grad_() for n in NAMES}
+    leaves = _leaves(x)
     o, _ = _chunked(leaves)
     o.sum().backward()
     with pytest.raises(RuntimeError, match="second time"):
@@ -155,7 +160,7 @@ def test_backward_twice_through_a_freed_graph_raises():
 @pytest.mark.parametrize("mode", [None, _PassThrough], ids=["eager", "op"])
 def test_second_derivative_raises(mode):
     x = make_inputs(1, 20, 1, 16, seed=7)
-    leaves = {n: x[n].detach().clone().requires_grad_() for n in NAMES}
+    leaves = _leaves(x)
     with mode() if mode else torch.autograd.grad_mode.enable_grad():
         o, _ = _chunked(leaves)
         (dq,) = torch.autograd.grad((o * o).sum(), leaves["q"], create_graph=True)

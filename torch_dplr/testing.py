@@ -176,19 +176,14 @@ def exact_intra_schemes():
     checked centred schemes, ``torch_dplr.ops.kernels.intra_schemes``)."""
     from .ops import kernels
 
-    def forget():  # the selections made with the other setting
-        kernels.pipeline.cache_clear()
-        for key in [key for key in kernels._kernels if key[0] in kernels.GATE_KERNELS]:
-            del kernels._kernels[key]
-
     saved = kernels.CHECKED_CENTRED_CHUNKS
-    forget()
     kernels.CHECKED_CENTRED_CHUNKS = ()
+    kernels.forget_gate_kernel_choices()
     try:
         yield
     finally:
         kernels.CHECKED_CENTRED_CHUNKS = saved
-        forget()
+        kernels.forget_gate_kernel_choices()
 
 
 # the ops whose CUDA function launches TileLang kernels (the stage ops, the no-grad op, the

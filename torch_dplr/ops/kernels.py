@@ -148,6 +148,15 @@ ON_DEMAND = (("fused_fwd",), BACKGROUND)
 GATE_KERNELS = ("intra_fwd", "intra_bwd", "intra_fwd_exact", "intra_bwd_exact")
 
 
+def forget_gate_kernel_choices() -> None:
+    """Drop the cached choices of the gate kernels (the pipelines and the per-call fast path),
+    so the next calls select them again, e.g. after :data:`CHECKED_CENTRED_CHUNKS` changed.
+    Compiled kernels stay compiled."""
+    pipeline.cache_clear()
+    for key in [key for key in _kernels if key[0] in GATE_KERNELS]:
+        del _kernels[key]
+
+
 def _group_id(kernels: dict, ops) -> tuple:
     # a group is the kernels it builds: the same split kernels asked for under two gate
     # configurations (they don't depend on the gates) are one group, compiled once
