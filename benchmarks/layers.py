@@ -159,9 +159,9 @@ def first_nonfinite(module: torch.nn.Module, run) -> str:
     return found[0] if found else f"no submodule (output finite: {_finite(out)})"
 
 
-def measure_generate(fla, timer: Timer, device, layers, hidden, head_dim, vocab, batch, prompt,
-                     new_tokens) -> dict:
-    import torch_dplr
+def generate_call(device, layers, hidden, head_dim, vocab, batch, prompt, new_tokens):
+    """A small random-initialised bf16 ``RWKV7ForCausalLM`` and its greedy ``generate`` of
+    ``new_tokens`` after a ``[batch, prompt]`` prompt, as a call of no arguments."""
     from fla.models import RWKV7Config, RWKV7ForCausalLM
     torch.manual_seed(0)
     config = RWKV7Config(hidden_size=hidden, head_dim=head_dim, num_hidden_layers=layers,
@@ -179,7 +179,13 @@ def measure_generate(fla, timer: Timer, device, layers, hidden, head_dim, vocab,
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                               do_sample=False, max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, pad_token_id=0)
+    return generate
 
+
+def measure_generate(fla, timer: Timer, device, layers, hidden, head_dim, vocab, batch, prompt,
+                     new_tokens) -> dict:
+    import torch_dplr
+    generate = generate_call(device, layers, hidden, head_dim, vocab, batch, prompt, new_tokens)
     rec = dict(kind="generate", layers=layers, hidden=hidden, head_dim=head_dim, vocab=vocab,
                batch=batch, prompt=prompt, new_tokens=new_tokens, dtype="bfloat16",
                **_side_by_side(timer, fla, generate, grad=False))
