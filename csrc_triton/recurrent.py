@@ -16,6 +16,9 @@ The start state is row ``state_rows[n]`` of ``h0`` when ``INDEXED`` (a state poo
 state goes back into the same row of ``ht``, which may be the same tensor), else row ``n``.
 ``h0`` and ``ht`` are fp32, or bf16 for a lower-precision pool: read into the fp32 walk, the
 final state rounded to nearest even once when stored.
+With ``RWKV7_PAIR`` the ``a`` and ``b`` pointers hold RWKV-7's ``kk`` and in-context rate ``a``,
+and the program forms the DPLR pair ``a_t = -kk_t``, ``b_t = kk_t · a_t`` in fp32 (FLA's
+``fused_mul_recurrent_rwkv7``): no launch and no rounding of the pair outside.
 With ``FLAGGED`` a program runs only where ``flags[n, h]`` (int32 ``[N, H]``) is non-zero and
 leaves the rest of ``o`` and ``ht`` as they are: the exact recompute of the (sequence, head)
 pairs whose gates broke a declared bound in the fused chunked forward (``ops/fused.py``).
@@ -44,7 +47,7 @@ def config(K: int, V: int) -> tuple[int, int]:
 def recurrent_fwd_kernel(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o, ht, scale,
                          seq_len, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                          USE_H0: tl.constexpr, INDEXED: tl.constexpr, REVERSE: tl.constexpr,
-                         FLAGGED: tl.constexpr, RECT: tl.constexpr):
+                         FLAGGED: tl.constexpr, RECT: tl.constexpr, RWKV7_PAIR: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.program_id(2)
@@ -79,6 +82,9 @@ def recurrent_fwd_kernel(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o
         k_t = tl.load(k + at_k).to(tl.float32)
         a_t = tl.load(a + at_k).to(tl.float32)
         b_t = tl.load(b + at_k).to(tl.float32)
+        if RWKV7_PAIR:  # a_t holds kk, b_t RWKV-7's a
+            b_t = a_t * b_t
+            a_t = -a_t
         g_t = tl.load(gk + at_k).to(tl.float32)
         v_t = tl.load(v + at_v).to(tl.float32)
         a_S = tl.sum(a_t[:, None] * S, axis=0)
@@ -94,11 +100,12 @@ def recurrent_fwd_kernel(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, flags, o
 
 def launch(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, o, ht, scale: float, use_h0: bool,
            indexed: bool, reverse: bool, BV: int | None = None, num_warps: int | None = None,
-           flags=None):
+           flags=None, rwkv7_pair: bool = False):
     """Run the kernel on ``[B, T, H, D]`` token tensors: a rect batch of B sequences when
     ``cu_seqlens`` is None, else the flattened token list it cuts (``state_rows`` read only
-    when ``indexed``; only the pairs set in ``flags`` when given); ``BV`` and ``num_warps``
-    default to :func:`config`."""
+    when ``indexed``; only the pairs set in ``flags`` when given; with ``rwkv7_pair``, ``a``
+    and ``b`` are RWKV-7's ``kk`` and ``a``); ``BV`` and ``num_warps`` default to
+    :func:`config`."""
     B, T, H, K = q.shape
     V = v.shape[3]
     rect = cu_seqlens is None
@@ -113,4 +120,4 @@ def launch(q, k, v, a, b, gk, h0, state_rows, cu_seqlens, o, ht, scale: float, u
                                           flags if flagged else unused, o, ht, scale, T, H=H,
                                           K=K, V=V, BV=BV, USE_H0=use_h0, INDEXED=indexed,
                                           REVERSE=reverse, FLAGGED=flagged, RECT=rect,
-                                          num_warps=num_warps)
+                                          RWKV7_PAIR=rwkv7_pair, num_warps=num_warps)

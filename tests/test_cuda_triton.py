@@ -70,6 +70,31 @@ def test_gates_far_below_rwkv7_bound_stay_exact():
     _check(x, None, False)
 
 
+@pytest.mark.parametrize("B,T", [(16, 1), (2, 300)])  # per-token kernel; the chunked sweep
+def test_fused_mul_forms_the_pair_inside(B, T):
+    """RWKV-7's kk and a in, the pair (-kk, kk·a) formed by the op: o, the final state and every
+    gradient against the fp64 recurrence on that pair."""
+    x = _case(B, T, 8, 64, seed=9)
+    kk = torch.nn.functional.normalize(x["a"].float(), dim=-1).to(x["a"].dtype)
+    rate = torch.sigmoid(x["b"].float()).to(x["b"].dtype)
+    names = "q gk k v".split()
+    leaves = [t.detach().clone().requires_grad_() for t in
+              (*(x[n] for n in names), kk, rate, x["initial_state"])]
+    o, ht = torch_dplr.fused_mul_recurrent_rwkv7(*leaves[:6], scale=0.5, initial_state=leaves[6],
+                                                 output_final_state=True)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    grads = torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht)))
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    q, gk, k, v, kk64, rate64, h0 = ref
+    ro, rht = recurrence_oracle(q, k, v, -kk64, kk64 * rate64, gk, 0.5, h0, None)
+    ref_grads = torch.autograd.grad((ro, rht), ref, (do.double(), torch.ones_like(rht)))
+    bar_out, bar_grad = TOLERANCES[x["q"].dtype]
+    assert rms_ratio(o, ro) < bar_out and rms_ratio(ht, rht) < bar_out
+    for name, got, want in zip("dr dw dk dv dkk da dh0".split(), grads, ref_grads):
+        assert torch.isfinite(got).all() and rms_ratio(got, want) < bar_grad, name
+
+
 def test_decode_pool_in_place_matches_functional_decode():
     x = _case(16, 1, 32, 64, seed=3)
     pool = torch.randn(40, 32, 64, 64, device="cuda")
@@ -127,8 +152,9 @@ def test_opcheck_recurrent_ops_on_kernel_shapes():
     args = [x[n] for n in "q k v a b gk initial_state".split()]
     for grad in (False, True):
         inputs = [t.detach().clone().requires_grad_(grad) for t in args]
-        torch.library.opcheck(torch.ops.dplr.recurrent_fwd.default,
-                              (*inputs, cu, 0.5, True, False))
+        for pair in (False, True):
+            torch.library.opcheck(torch.ops.dplr.recurrent_fwd.default,
+                                  (*inputs, cu, 0.5, True, False, pair))
     do = torch.randn_like(x["v"])
     dht = torch.randn(2, 2, 32, 32, device="cuda")
     torch.library.opcheck(torch.ops.dplr.recurrent_bwd.default,

@@ -305,11 +305,12 @@ def test_fused_recurrent_equals_the_op_through_every_layer(grad_mode):
 @pytest.fixture
 def launches(monkeypatch):
     """The per-token kernel's launches, recorded instead of run (CPU tensors pass the bodies'
-    "Triton runs here" check under TRITON_INTERPRET=1)."""
+    "Triton runs here" check under TRITON_INTERPRET=1): positional arguments, then the
+    keywords as one dict."""
     kernel = pytest.importorskip("csrc_triton.recurrent")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
-    monkeypatch.setattr(kernel, "launch", lambda *args: calls.append(args))
+    monkeypatch.setattr(kernel, "launch", lambda *args, **kwargs: calls.append((*args, kwargs)))
     return calls
 
 
@@ -339,7 +340,29 @@ def test_recurrent_body_hands_the_kernel_its_inputs(launches, B, T, cu):
     assert args[7] is None  # no state rows: h0 row n is sequence n
     # a rect batch goes without offsets (the kernel cuts it); int32 offsets go as they are
     assert args[8] is (None if cu is None else cu_t)
-    assert args[11:] == (0.5, True, False, False)
+    assert args[11:] == (0.5, True, False, False, {"rwkv7_pair": False})
+
+
+def test_fused_mul_hands_the_op_kk_and_a():
+    """No product formed outside the op: it gets RWKV-7's kk and a with the pair flag, and
+    the ops a call dispatches are that one op alone."""
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((str(func), args))
+            return func(*args, **(kwargs or {}))
+
+    x = _rwkv7(B=2, seed=8)
+    with Calls() as rec, torch.no_grad():
+        torch_dplr.fused_mul_recurrent_rwkv7(*_args(x, "r w k v kk iclr"),
+                                             initial_state=x["state"])
+    ((name, args),) = [c for c in rec.calls if c[0].startswith("dplr.")]
+    assert name == "dplr.recurrent_fwd.default" and args[-1] is True
+    assert args[3] is x["kk"] and args[4] is x["iclr"]
+    assert not [c for c in rec.calls if c[0] in ("aten.neg.default", "aten.mul.Tensor")]
 
 
 def test_recurrent_body_copies_what_is_not_contiguous(launches):
@@ -353,7 +376,7 @@ def test_recurrent_body_copies_what_is_not_contiguous(launches):
                                  torch.randn(1, H, K, K), cu64, 1.0, True, False)
     (first, second) = launches
     assert first[0].is_contiguous() and torch.equal(first[0], strided)
-    assert first[6].is_contiguous() and torch.equal(first[6], h0) and first[-1] is True
+    assert first[6].is_contiguous() and torch.equal(first[6], h0) and first[-2] is True
     assert second[8].dtype == torch.int32 and torch.equal(second[8].long(), cu64)
 
 
@@ -371,7 +394,7 @@ def test_decode_body_hands_the_kernel_its_inputs(launches, slot_dtype):
     assert args[7].dtype == torch.int32 and torch.equal(args[7].long(), slots.long())
     assert (args[7] is slots) == (slot_dtype == torch.int32)
     assert args[8] is None  # a rect batch: no offsets tensor, one launch
-    assert args[11:] == (0.7, True, True, False)
+    assert args[11:14] == (0.7, True, True) and args[14] is False
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -386,10 +409,12 @@ def test_bodies_on_strided_inputs_match_the_reference(monkeypatch, cu):
     N = B if cu is None else len(cu) - 1
     cu_t = torch.empty(0, dtype=torch.int64) if cu is None else torch.tensor(cu)
     h0 = torch.randn(N, H, K, K)
-    o, ht = recurrent.recurrent_fwd_cuda(*tokens, h0, cu_t, 0.5, True, False)
-    o_ref, ht_ref = recurrent.recurrent_fwd_reference(*tokens, h0, cu_t, 0.5, True, False)
-    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ht, ht_ref, rtol=1e-4, atol=1e-5)
+    for pair in (False, True):  # with the pair, a and b stand for RWKV-7's kk and a
+        o, ht = recurrent.recurrent_fwd_cuda(*tokens, h0, cu_t, 0.5, True, False, pair)
+        o_ref, ht_ref = recurrent.recurrent_fwd_reference(*tokens, h0, cu_t, 0.5, True, False,
+                                                          pair)
+        torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ht, ht_ref, rtol=1e-4, atol=1e-5)
     pool = torch.randn(4, H, K, K)
     slots = _slots(*range(3, 3 - N, -1))
     got_pool, want_pool = pool.clone(), pool.clone()

@@ -207,11 +207,12 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None,
 
 
 def _recurrent(q, k, v, a, b, gk, scale, initial_state, output_final_state, reverse,
-               cu_seqlens):
-    """The per-token op on validated inputs.  A decode step's host time is not hidden
-    behind its one small kernel, so the op is called through :func:`call_op`."""
+               cu_seqlens, rwkv7_pair=False):
+    """The per-token op on validated inputs (``rwkv7_pair``: ``a``, ``b`` are RWKV-7's
+    ``kk``, ``a``).  A decode step's host time is not hidden behind its one small kernel, so
+    the op is called through :func:`call_op`."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     cu, h0, use_h0 = _sentinels(q, initial_state, cu_seqlens)
     o, final_state = call_op(torch.ops.dplr.recurrent_fwd, q, k, v, a, b, gk, h0, cu, scale,
-                             use_h0, bool(reverse))
+                             use_h0, bool(reverse), rwkv7_pair)
     return o, (final_state if output_final_state else None)

@@ -29,13 +29,14 @@ def fused_mul_recurrent_rwkv7(r, w, k, v, kk, a, scale=1.0, initial_state=None,
         cu_seqlens: ``[N+1]`` offsets of packed sequences (``B == 1``).
 
     Returns:
-        ``(o [B, T, H, V], final_state or None)``.  Differentiable (the per-token backward,
-        which keeps every state: short sequences only).  ``kk·a`` is rounded to the inputs'
-        dtype before the recurrence (FLA's kernel keeps it in fp32): one extra rounding in
-        bf16/fp16.
+        ``(o [B, T, H, V], final_state or None)``.  The per-token kernel forms the pair in fp32,
+        as FLA's kernel does; sequences longer than the per-token kernel's limit run the
+        chunked sweep on the pair rounded to the inputs' dtype.  Differentiable (the per-token
+        backward, which keeps every state: short sequences only; it differentiates the pair
+        rounded to the inputs' dtype).
     """
     r, k, v, kk, a = api._under_autocast(dict(r=r, k=k, v=v, kk=kk, a=a)).values()
     check_inputs(dict(r=r, k=k, v=v, kk=kk, a=a, w=w), gate="w", value="v", scale=scale,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None)
-    return api._recurrent(r, k, v, -kk, kk * a, w, scale, initial_state, output_final_state,
-                          reverse, cu_seqlens)
+    return api._recurrent(r, k, v, kk, a, w, scale, initial_state, output_final_state,
+                          reverse, cu_seqlens, rwkv7_pair=True)

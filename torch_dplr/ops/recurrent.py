@@ -8,6 +8,11 @@ chunk-start states with the sweep and differentiates it in one reverse sweep
 (``csrc_triton.chunk_bwd``): nothing of the forward is saved but its inputs.  Neither reads a
 tensor value on the host, so both can be captured in a CUDA graph.
 
+With ``rwkv7_pair`` the ``a`` and ``b`` arguments are RWKV-7's ``kk`` and in-context rate ``a``
+and the recurrence runs on the pair ``(-kk, kk·a)`` formed inside the op (FLA's
+``fused_mul_recurrent_rwkv7``): in fp32 by the per-token kernel and the PyTorch kernel, in the
+data dtype before the chunked sweep and in the backward (:func:`dplr_pair`).
+
 A decode step is one small launch, so its host time is the call's time: the per-token entries
 call their op through :func:`torch_dplr.ops.direct_call.call_op` and the CUDA bodies hand the
 kernel the inputs as they are (:func:`token_tensors`).
@@ -57,14 +62,23 @@ def token_tensors(*xs: Tensor) -> tuple:
     return tuple(map(Tensor.contiguous, xs))
 
 
+def dplr_pair(a: Tensor, b: Tensor, rwkv7_pair: bool) -> tuple[Tensor, Tensor]:
+    """The recurrence's ``(a, b)``: as given, or from RWKV-7's ``(kk, a)`` the pair
+    ``(-kk, kk·a)`` in their dtype."""
+    return (-a, a * b) if rwkv7_pair else (a, b)
+
+
 @without_autocast
 def recurrent_fwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor,
                             initial_state: Tensor, cu_seqlens: Tensor, scale: float,
-                            use_initial_state: bool, reverse: bool) -> tuple[Tensor, Tensor]:
+                            use_initial_state: bool, reverse: bool, rwkv7_pair: bool = False
+                            ) -> tuple[Tensor, Tensor]:
     o, ht = allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
     view = SequenceView(q, cu_seqlens, reverse)
     h0 = start_state(initial_state, use_initial_state, ht.shape, view.dtype, q.device)
-    o_seq, h_end = ref.recurrent_fwd(*map(view.read, (q, k, v, a, b, gk)), h0, scale)
+    a_seq, b_seq = dplr_pair(view.read(a), view.read(b), rwkv7_pair)
+    o_seq, h_end = ref.recurrent_fwd(view.read(q), view.read(k), view.read(v), a_seq, b_seq,
+                                     view.read(gk), h0, scale)
     view.write(o, o_seq)
     ht.copy_(h_end)
     return o, ht
@@ -81,7 +95,7 @@ def _state_ok(initial_state, use_initial_state) -> bool:
 @recurrent_fwd.register_kernel("cuda")
 @without_autocast
 def recurrent_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state,
-                       reverse):
+                       reverse, rwkv7_pair=False):
     B, T = q.shape[:2]
     N = num_sequences(q, cu_seqlens)
     short = B * T <= PER_TOKEN_MAX_AVG_LEN * N
@@ -89,16 +103,18 @@ def recurrent_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_
     if not (_state_ok(initial_state, use_initial_state)
             and (sweep or per_token_kernel_applies(q, v, gk, N))):
         return recurrent_fwd_reference(q, k, v, a, b, gk, initial_state, cu_seqlens, scale,
-                                       use_initial_state, reverse)
+                                       use_initial_state, reverse, rwkv7_pair)
     o, ht = allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
     h0 = initial_state.contiguous() if use_initial_state else ht  # fp32 (_state_ok)
     if sweep:
+        a, b = dplr_pair(a, b, rwkv7_pair)
         _sweep_forward(tuple(map(flat, (q, k, v, a, b, gk))), h0, cu_seqlens, B, T, flat(o),
                        ht, scale, use_initial_state, reverse, store_states=False)
         return o, ht
     per_token_kernel().launch(*token_tensors(q, k, v, a, b, gk), h0, None,
                               sequence_offsets(cu_seqlens), o, ht,
-                              float(scale), use_initial_state, False, bool(reverse))
+                              float(scale), use_initial_state, False, bool(reverse),
+                              rwkv7_pair=bool(rwkv7_pair))
     return o, ht
 
 
@@ -120,7 +136,8 @@ def _sweep_forward(tokens, h0, cu_seqlens, B, T, o, ht, scale, use_h0, reverse, 
 
 
 @recurrent_fwd.register_fake
-def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state, reverse):
+def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state, reverse,
+      rwkv7_pair=False):
     return allocate(recurrent_fwd_shapes(q, v, cu_seqlens), q.device)
 
 
@@ -182,22 +199,29 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale, use_initial_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state, reverse = inputs
+    (q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state, reverse,
+     *pair) = inputs
     ctx.save_for_backward(q, k, v, a, b, gk, initial_state, cu_seqlens)
-    ctx.config = (scale, use_initial_state, reverse)
+    ctx.config = (scale, use_initial_state, reverse, bool(pair and pair[0]))
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dht):
     q, k, v, a, b, gk, initial_state, cu_seqlens = ctx.saved_tensors
-    scale, use_initial_state, reverse = ctx.config
+    scale, use_initial_state, reverse, rwkv7_pair = ctx.config
     (do,) = zeros_for_missing((do,), [(v.shape, v.dtype)], v.device)
     use_dht = dht is not None
     if dht is None:
         dht = q.new_zeros(0, dtype=torch.float32)
-    *grads, dh0 = torch.ops.dplr.recurrent_bwd(q, k, v, a, b, gk, initial_state, cu_seqlens, do,
-                                               dht, scale, use_initial_state, use_dht, reverse)
-    return (*grads, dh0 if use_initial_state else None, None, None, None, None)
+    a_pair, b_pair = dplr_pair(a, b, rwkv7_pair)
+    dq, dk, dv, da, db, dgk, dh0 = torch.ops.dplr.recurrent_bwd(
+        q, k, v, a_pair, b_pair, gk, initial_state, cu_seqlens, do, dht, scale,
+        use_initial_state, use_dht, reverse)
+    if rwkv7_pair:  # through a_pair = -kk, b_pair = kk·a (a holds kk, b RWKV-7's a)
+        wide = torch.promote_types(a.dtype, torch.float32)
+        da, db, kk, rate = da.to(wide), db.to(wide), a.to(wide), b.to(wide)
+        da, db = (rate * db - da).to(a.dtype), (kk * db).to(b.dtype)
+    return dq, dk, dv, da, db, dgk, dh0 if use_initial_state else None, None, None, None, None, None
 
 
 register_autograd(recurrent_fwd, _backward, _setup_context)
