@@ -66,13 +66,15 @@ def variants():
     for mode in (0, 1, 2):
         yield "chunk_grads", grads, dict(K=64, V=64, BT=16, TILES_PER_CHUNK=4, MODE=mode,
                                          STATE_SPLIT=True)
-    for indexed, flagged, rect in ((False, False, False), (True, False, True),
-                                   (False, True, False), (False, False, True)):
+    for indexed, flagged, rect, pair in ((False, False, False, False), (True, False, True, False),
+                                         (False, True, False, False), (False, False, True, False),
+                                         (False, False, True, True)):
         yield "recurrent", rec, dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=indexed,
-                                     REVERSE=False, FLAGGED=flagged, RECT=rect)
+                                     REVERSE=False, FLAGGED=flagged, RECT=rect, RWKV7_PAIR=pair)
     # a bf16 state pool (decode_pool's lower-precision storage)
     yield "recurrent", dict(rec, h0=p, ht=p), dict(K=64, V=64, BV=64, USE_H0=True, INDEXED=True,
-                                                 REVERSE=False, FLAGGED=False, RECT=True)
+                                                 REVERSE=False, FLAGGED=False, RECT=True,
+                                                 RWKV7_PAIR=False)
     for scores, block in ((f, 256), (p, 1024)):
         yield "dsa_loss_bwd", dict(scores=scores, target=f, indices="*i32", factor=f,
                                    dscores=scores, k="i32"), dict(BLOCK=block)
