@@ -267,9 +267,7 @@ def decode_main(argv=None):
     JSON line per (head dim, batch), as benchmarks/decode.py calls them (grad mode on, no
     input requiring grad; ``--no-grad``: under ``torch.no_grad()``).  Freed memory stays in
     malloc's heap (:func:`_keep_freed_memory`) so that allocating the large fp32 final states
-    costs what the CUDA caching allocator charges, not a system call.
-    ``fused_mul_recurrent_rwkv7`` forms ``-kk`` and ``kk·a`` with two elementwise ops, which
-    here compute on the CPU (tens of us at B128) where a GPU host only launches them."""
+    costs what the CUDA caching allocator charges, not a system call."""
     parser = argparse.ArgumentParser(prog="host_sim.py decode", description=decode_main.__doc__)
     parser.add_argument("--batches", default="1,16,128")
     parser.add_argument("--head-dims", default="64,128")
@@ -278,9 +276,7 @@ def decode_main(argv=None):
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--no-grad", action="store_true")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (the small elementwise ops of "
-                             "fused_mul_recurrent_rwkv7 run on them)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     kept = _keep_freed_memory()
