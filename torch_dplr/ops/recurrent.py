@@ -221,7 +221,8 @@ def _backward(ctx, do, dht):
         wide = torch.promote_types(a.dtype, torch.float32)
         da, db, kk, rate = da.to(wide), db.to(wide), a.to(wide), b.to(wide)
         da, db = (rate * db - da).to(a.dtype), (kk * db).to(b.dtype)
-    return dq, dk, dv, da, db, dgk, dh0 if use_initial_state else None, None, None, None, None, None
+    dh0 = dh0 if use_initial_state else None
+    return dq, dk, dv, da, db, dgk, dh0, None, None, None, None, None
 
 
 register_autograd(recurrent_fwd, _backward, _setup_context)
