@@ -2,7 +2,7 @@
 
 The model and call are ``benchmarks.layers``' generation record (``GENERATE``). For each of
 the two runs, after one warm-up call: the wall time of one call; the device syncs it makes
-(``torch.cuda.set_sync_debug_mode("warn")``, counted by the file and line that caused them);
+(``torch.cuda.set_sync_debug_mode("warn")``, counted by the Python line that made each);
 ``torch.profiler``'s operators by self CPU time and by device time; and ``cProfile``'s
 functions by own time. A decode loop is host-bound, so the CPU columns are the ones to read.
 
@@ -29,7 +29,7 @@ from benchmarks.layers import GENERATE, _load_fla, generate_call  # noqa: E402
 
 
 def _syncs(generate) -> collections.Counter:
-    """Device syncs of one call, by the innermost frame outside torch that caused each."""
+    """Device syncs of one call, by the Python file and line whose call synchronized."""
     counts: collections.Counter = collections.Counter()
     torch.cuda.set_sync_debug_mode("warn")
     try:
