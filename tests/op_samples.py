@@ -43,6 +43,9 @@ def forward_samples(device="cpu"):
                                       g(gl), g(h0), cu_t, C, True, True, *t)
             yield "recurrent_fwd", (g(q), g(k), g(v), g(a), g(b), g(gk), g(h0), cu_t, 0.3,
                                     True, grad)
+            # a and b as RWKV-7's kk and a (fused_mul_recurrent_rwkv7's call)
+            yield "recurrent_fwd", (g(q), g(k), g(v), g(a), g(b), g(gk), g(h0), cu_t, 0.3,
+                                    True, False, True)
             yield "chunk_fwd", (g(q), g(k), g(v), g(a), g(b), g(gk), g(h0), cu_t, 0.3, C,
                                 -0.6065, True, *t)
         yield "chunk_fwd", (q, k, v, a, b, gk, h0.new_empty(0), cu_t, 0.3, C, NO_BOUND, False)
