@@ -394,7 +394,7 @@ def test_decode_body_hands_the_kernel_its_inputs(launches, slot_dtype):
     assert args[7].dtype == torch.int32 and torch.equal(args[7].long(), slots.long())
     assert (args[7] is slots) == (slot_dtype == torch.int32)
     assert args[8] is None  # a rect batch: no offsets tensor, one launch
-    assert args[11:14] == (0.7, True, True) and args[14] is False
+    assert args[11:] == (0.7, True, True, False, {})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
