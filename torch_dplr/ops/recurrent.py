@@ -200,9 +200,9 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale, use_initial_
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state, reverse,
-     *pair) = inputs
+     rwkv7_pair) = inputs
     ctx.save_for_backward(q, k, v, a, b, gk, initial_state, cu_seqlens)
-    ctx.config = (scale, use_initial_state, reverse, bool(pair and pair[0]))
+    ctx.config = (scale, use_initial_state, reverse, rwkv7_pair)
     ctx.set_materialize_grads(False)
 
 
