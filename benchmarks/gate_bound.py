@@ -11,7 +11,7 @@ forward+backward and the no-grad forward as shipped, against the same calls with
 check taken out (the exact recomputes of ``torch_dplr/ops/gate_bound.py`` skipped), A and B
 alternated over several rounds; and the check's own work timed alone (CUDA events).
 
-    python -m benchmarks.gate_bound --out benchmarks/results/h200-gate-bound.jsonl
+    python -m benchmarks.gate_bound --out benchmarks/results/h100-gate-bound.jsonl
 """
 from __future__ import annotations
 

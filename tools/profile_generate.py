@@ -5,17 +5,21 @@ the two runs, after one warm-up call: the wall time of one call; the device sync
 (``torch.cuda.set_sync_debug_mode("warn")``, counted by the Python line that made each);
 ``torch.profiler``'s operators by self CPU time and by device time; and ``cProfile``'s
 functions by own time. A decode loop is host-bound, so the CPU columns are the ones to read.
+Then both runs' wall times over ``--reps`` calls, alternating which runs first (one call's wall
+time varies by more than the two runs differ): median, min and max.
 
-    python tools/profile_generate.py [--new-tokens 32] [--top 25] > profile.txt
+    python tools/profile_generate.py [--new-tokens 32] [--top 25] [--reps 7] > profile.txt
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 import traceback
@@ -74,10 +78,28 @@ def _report(name: str, generate, top: int) -> None:
     print(text.getvalue())
 
 
+def _alternating_walls(generate, patched, reps: int) -> None:
+    """Wall ms of ``generate`` on FLA and under ``patched()`` (a context manager), ``reps``
+    calls each, the order swapped every rep."""
+    walls: dict = {"FLA": [], "patch_fla()": []}
+    for rep in range(reps):
+        runs = [("FLA", contextlib.nullcontext), ("patch_fla()", patched)]
+        for name, context in runs if rep % 2 == 0 else runs[::-1]:
+            with context():
+                walls[name].append(_wall_ms(generate))
+    for name, times in walls.items():
+        print(f"{name}: median {statistics.median(times):.1f} ms, min {min(times):.1f}, "
+              f"max {max(times):.1f} over {reps} calls")
+    ratio = statistics.median(walls["FLA"]) / statistics.median(walls["patch_fla()"])
+    print(f"FLA / patch_fla(): {ratio:.3f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--new-tokens", type=int, default=GENERATE["new_tokens"])
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--reps", type=int, default=7,
+                        help="alternating wall-time calls of each run")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_generate times FLA's CUDA kernels: no CUDA GPU here")
@@ -90,6 +112,8 @@ def main(argv=None) -> int:
             _report("FLA", generate, args.top)
             with torch_dplr.patch_fla():
                 _report("patch_fla()", generate, args.top)
+            print("=== wall time, alternating")
+            _alternating_walls(generate, torch_dplr.patch_fla, args.reps)
         except Exception:  # the other run's report is still worth reading
             traceback.print_exc()
             return 1
