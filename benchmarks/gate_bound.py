@@ -156,8 +156,12 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gate_bound needs a CUDA GPU")
 
+    from .harness import run_meta
+    meta = run_meta(torch.device("cuda"), None)  # the card and the commit, in every record
+    del meta["fla"]
+
     def out(rec):
-        emit(rec, args.out, digits=5)
+        emit({**rec, **meta}, args.out, digits=5)
 
     parts = args.parts.split(",")
     if "table" in parts:

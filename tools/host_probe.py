@@ -4,7 +4,8 @@ Prints three JSON objects: the whole steps (no-grad forward, forward+backward, a
 under the ``save_state`` checkpoint policy: host time of the launches and wall time); for each
 ``dplr`` op of a training step, its host time through the dispatcher (no grad) and with its
 CUDA kernel function called directly, and each TileLang launch alone with the arguments the
-op passed it; and the cost of one CUDA ``torch.empty``, ``view`` and ``zero_``.
+op passed it; and the cost of one CUDA ``torch.empty``, ``view`` and ``zero_``. Each record
+names its probe, the shape, chunk size and training pass, the card and the commit.
 Usage: python tools/host_probe.py [B T H D chunk]   (default: the small grid 2 4096 8 64 64)
 """
 from __future__ import annotations
@@ -21,9 +22,11 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_dplr
 from torch_dplr import policies
+from torch_dplr.ops.dataflow import training_pass
 from torch_dplr.ops import fused, intra, state, wy
 from torch_dplr.testing import RWKV7_BOUND
 from benchmarks.cells import Shape
+from benchmarks.harness import run_meta
 from benchmarks.inputs import make
 
 KERNEL_MODULES = (intra, wy, state, fused)  # the op modules that ask kernels.kernel_for
@@ -120,8 +123,15 @@ def training_steps(B: int, T: int, H: int, D: int, C: int) -> dict:
 def main():
     B, T, H, D, C = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (2, 4096, 8, 64, 64)))
     steps = training_steps(B, T, H, D, C)
-    print(json.dumps({name: dict(host_us=host_us(f, n=30), wall_us=wall_us(f))
-                      for name, f in steps.items()}), flush=True)
+    meta = dict(shape=f"B{B}-T{T}-H{H}-D{D}", chunk_size=C, gates="rwkv7", state=True,
+                training_pass=training_pass(), **run_meta(torch.device("cuda"), None))
+    del meta["fla"]
+
+    def emit(probe: str, rec: dict) -> None:  # one JSON line, described by the run's fields
+        print(json.dumps({**meta, "probe": probe, **rec}), flush=True)
+
+    emit("steps", {name: dict(host_us=host_us(f, n=30), wall_us=wall_us(f))
+                   for name, f in steps.items()})
 
     launches: dict = {}
     originals = _recording_launches(launches)
@@ -139,11 +149,11 @@ def main():
                                            body_us=host_us(lambda: body(*args, **kwargs)))
     for op, (kernel, args) in launches.items():
         rows["launch:" + op] = dict(launch_us=host_us(lambda: kernel(*args)), nargs=len(args))
-    print(json.dumps(rows), flush=True)
+    emit("ops", rows)
     x = torch.empty(10, device="cuda")
-    print(json.dumps(dict(
+    emit("tensor_ops", dict(
         empty_us=host_us(lambda: torch.empty((B, T, H, D), device="cuda", dtype=torch.bfloat16)),
-        view_us=host_us(lambda: x.view(1, 10)), zero_us=host_us(lambda: x.zero_()))))
+        view_us=host_us(lambda: x.view(1, 10)), zero_us=host_us(lambda: x.zero_())))
 
 
 if __name__ == "__main__":
