@@ -191,9 +191,8 @@ def main(argv=None):
                         help="BVxWARPS list of per-token kernel configurations to time as well")
     args = parser.parse_args(argv)
     configs = parse_kernel_configs(args.kernel_configs)
-    from .harness import run_meta
-    meta = run_meta(torch.device("cuda"), None)  # the card and the commit, in every record
-    del meta["fla"]
+    from .harness import card_meta
+    meta = card_meta(torch.device("cuda"))  # the card and the commit, in every record
     for D in map(int, args.head_dims.split(",")):
         for T in map(int, args.tokens.split(",")):
             for B in map(int, args.batches.split(",")):

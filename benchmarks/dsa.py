@@ -602,8 +602,7 @@ def output_path(out, device) -> Path:
 
 
 def run_meta(device, peer) -> dict:
-    meta = harness.run_meta(device, None)
-    meta.pop("fla")
+    meta = harness.card_meta(device)
     try:
         import tilelang
         meta["tilelang"] = tilelang.__version__

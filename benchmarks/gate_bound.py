@@ -156,9 +156,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gate_bound needs a CUDA GPU")
 
-    from .harness import run_meta
-    meta = run_meta(torch.device("cuda"), None)  # the card and the commit, in every record
-    del meta["fla"]
+    from .harness import card_meta
+    meta = card_meta(torch.device("cuda"))  # the card and the commit, in every record
 
     def out(rec):
         emit({**rec, **meta}, args.out, digits=5)

@@ -189,11 +189,17 @@ def other_gpu_processes(device) -> list[int] | None:
     return processes_on(out.stdout, _uuid_of(device))
 
 
-def run_meta(device, fla) -> dict:
+def card_meta(device) -> dict:
+    """What every measurement record names: the card, torch, torch_dplr, whether its TileLang
+    kernels run there, and the commit."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device": name, "torch": torch.__version__, "torch_dplr": torch_dplr.__version__,
-            "torch_dplr_tilelang": _tilelang_usable(device), "git": _git_commit(),
-            "fla": fla.version if fla is not None else None}
+            "torch_dplr_tilelang": _tilelang_usable(device), "git": _git_commit()}
+
+
+def run_meta(device, fla) -> dict:
+    """:func:`card_meta` and the FLA version the run compared with (None: no FLA)."""
+    return {**card_meta(device), "fla": fla.version if fla is not None else None}
 
 
 def install_fla_autotune_cache() -> str:

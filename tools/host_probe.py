@@ -26,7 +26,7 @@ from torch_dplr.ops.dataflow import training_pass
 from torch_dplr.ops import fused, intra, state, wy
 from torch_dplr.testing import RWKV7_BOUND
 from benchmarks.cells import Shape
-from benchmarks.harness import run_meta
+from benchmarks.harness import card_meta
 from benchmarks.inputs import make
 
 KERNEL_MODULES = (intra, wy, state, fused)  # the op modules that ask kernels.kernel_for
@@ -124,8 +124,7 @@ def main():
     B, T, H, D, C = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (2, 4096, 8, 64, 64)))
     steps = training_steps(B, T, H, D, C)
     meta = dict(shape=f"B{B}-T{T}-H{H}-D{D}", chunk_size=C, gates="rwkv7", state=True,
-                training_pass=training_pass(), **run_meta(torch.device("cuda"), None))
-    del meta["fla"]
+                training_pass=training_pass(), **card_meta(torch.device("cuda")))
 
     def emit(probe: str, rec: dict) -> None:  # one JSON line, described by the run's fields
         print(json.dumps({**meta, "probe": probe, **rec}), flush=True)
