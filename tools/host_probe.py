@@ -10,7 +10,6 @@ Usage: python tools/host_probe.py [B T H D chunk]   (default: the small grid 2 4
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from torch_dplr.ops import fused, intra, state, wy
 from torch_dplr.testing import RWKV7_BOUND
 from benchmarks.cells import Shape
 from benchmarks.harness import card_meta
+from benchmarks.jsonl import emit
 from benchmarks.inputs import make
 
 KERNEL_MODULES = (intra, wy, state, fused)  # the op modules that ask kernels.kernel_for
@@ -126,11 +126,11 @@ def main():
     meta = dict(shape=f"B{B}-T{T}-H{H}-D{D}", chunk_size=C, gates="rwkv7", state=True,
                 training_pass=training_pass(), **card_meta(torch.device("cuda")))
 
-    def emit(probe: str, rec: dict) -> None:  # one JSON line, described by the run's fields
-        print(json.dumps({**meta, "probe": probe, **rec}), flush=True)
+    def record(probe: str, rec: dict) -> None:  # one JSON line, described by the run's fields
+        emit({**meta, "probe": probe, **rec}, None)
 
-    emit("steps", {name: dict(host_us=host_us(f, n=30), wall_us=wall_us(f))
-                   for name, f in steps.items()})
+    record("steps", {name: dict(host_us=host_us(f, n=30), wall_us=wall_us(f))
+                     for name, f in steps.items()})
 
     launches: dict = {}
     originals = _recording_launches(launches)
@@ -148,9 +148,9 @@ def main():
                                            body_us=host_us(lambda: body(*args, **kwargs)))
     for op, (kernel, args) in launches.items():
         rows["launch:" + op] = dict(launch_us=host_us(lambda: kernel(*args)), nargs=len(args))
-    emit("ops", rows)
+    record("ops", rows)
     x = torch.empty(10, device="cuda")
-    emit("tensor_ops", dict(
+    record("tensor_ops", dict(
         empty_us=host_us(lambda: torch.empty((B, T, H, D), device="cuda", dtype=torch.bfloat16)),
         view_us=host_us(lambda: x.view(1, 10)), zero_us=host_us(lambda: x.zero_())))
 

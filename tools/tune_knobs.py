@@ -15,7 +15,7 @@ import json
 import torch
 
 from benchmarks.cells import Cell, Shape
-from benchmarks.harness import run_meta
+from benchmarks.harness import card_meta
 from benchmarks.inputs import make
 from benchmarks.stages import FUSED, stage_calls
 from benchmarks.timing import Timer
@@ -66,7 +66,7 @@ def main():
     cell = Cell(Shape(args.B, args.T, args.H, args.D), args.chunk, "rwkv7", False, "stage")
     inp = make(cell.shape, "rwkv7", "cuda")
     timer = Timer("cuda")
-    meta = run_meta(torch.device("cuda"), None)  # the card and commit each record names
+    meta = card_meta(torch.device("cuda"))  # the card and commit each record names
     for candidate in args.candidates:
         op, knobs = parse(candidate)
         base = run_op(cell, inp, op)
