@@ -1,9 +1,10 @@
 """The host side of a CUDA call, on a CPU machine: what the Python around the kernels costs.
 
-Four harnesses: chunked training steps (below), the same steps through the ops' eager nodes
-against their own autograd layer (``eager``, :func:`eager_main`), decode steps (``decode``: the
-per-token entries, see :func:`decode_main`), and what filling the schema defaults costs the
-ops that a training step calls with grad (``schema``, :func:`schema_main`).
+Five harnesses: chunked training steps (below), the same steps through the ops' eager nodes
+against their own autograd layer (``eager``, :func:`eager_main`), with the op kernels called
+straight against through the dispatcher (``direct``, :func:`direct_main`), decode steps
+(``decode``: the per-token entries, see :func:`decode_main`), and what filling the schema
+defaults costs the ops that a training step calls with grad (``schema``, :func:`schema_main`).
 
 Every ``dplr`` op's CUDA function runs as its CPU kernel and every TileLang launch is a no-op
 (``torch_dplr.testing.cuda_op_bodies_on_cpu``), so a step runs the op bodies,
@@ -21,6 +22,7 @@ tools/host_probe.py there), and they drift between runs: compare the variants of
     python tools/host_sim.py                      # B2 T64 H8 D64, chunk 64
     python tools/host_sim.py 2 64 8 64 16
     python tools/host_sim.py eager 2 64 8 64 64   # eager nodes against the ops' autograd
+    python tools/host_sim.py direct 2 64 8 64 64  # kernels called straight against dispatched
     python tools/host_sim.py decode               # decode steps, H32, batches 1/16/128, D64/128
     python tools/host_sim.py schema               # the autograd ops' schema-default filling
 """
@@ -60,6 +62,7 @@ def _register_cpu(lib, bodies: dict) -> None:
         warnings.simplefilter("ignore")
         for name, body in bodies.items():
             lib.impl(name, body, "CPU", allow_override=True)
+            direct_call._DIRECT_KERNELS[f"dplr::{name}"]["cpu"] = body
 
 
 def _allocating_only(name: str, body):
@@ -126,7 +129,8 @@ def _shape(argv) -> tuple:
 
 def main(argv):
     B, T, H, D, C = _shape(argv)
-    cuda_bodies = {name: OPDEFS[f"dplr::{name}"]._backend_fns["cuda"] for name in STAGE_OPS}
+    cuda_bodies = {name: direct_call._DIRECT_KERNELS[f"dplr::{name}"]["cuda"]
+                   for name in STAGE_OPS}
     empty = {name: _allocating_only(name, body) for name, body in cuda_bodies.items()}
     with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
         lib = torch.library.Library("dplr", "IMPL")  # swaps the bodies of the two variants
@@ -153,6 +157,29 @@ def eager_main(argv):
     print(json.dumps(result))
 
 
+def direct_main(argv):
+    """The same steps with the op kernels called straight (``torch_dplr.ops.direct_call``)
+    against through the dispatcher below autograd, in one process."""
+    B, T, H, D, C = _shape(argv)
+    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
+        kernels = {name: dict(per) for name, per in direct_call._DIRECT_KERNELS.items()}
+
+        def dispatched():
+            for per in direct_call._DIRECT_KERNELS.values():
+                per.pop("cpu", None)
+
+        def direct():
+            for name, per in kernels.items():
+                direct_call._DIRECT_KERNELS[name].update(per)
+        variants = {"direct": direct, "dispatched": dispatched}
+        try:
+            result = {"shape": [B, T, H, D], "chunk": C, "training_pass": training_pass(),
+                      **_alternating(variants, _training_steps(B, T, H, D, C))}
+        finally:
+            direct()
+    print(json.dumps(result))
+
+
 # ---- decode steps -------------------------------------------------------------------------
 
 # the ops whose CUDA function launches the per-token Triton kernel
@@ -169,8 +196,8 @@ class _NoLaunchKernel:
 
 @contextlib.contextmanager
 def per_token_bodies_on_cpu():
-    """Inside, CPU calls of the per-token ops run their CUDA functions through the whole
-    dispatcher path they take on a GPU (autograd key, the custom op's backend wrapper), with
+    """Inside, CPU calls of the per-token ops run their CUDA functions through the path they
+    take on a GPU (the dispatcher, or the direct call of ``torch_dplr.ops.direct_call``), with
     the Triton launch a no-op.  ``TRITON_INTERPRET=1`` is what lets a CPU tensor pass the
     bodies' "Triton runs here" check."""
     from csrc_triton import recurrent as kernel_module
@@ -178,13 +205,19 @@ def per_token_bodies_on_cpu():
     saved_kernel = kernel_module.recurrent_fwd_kernel
     opdefs = [OPDEFS[f"dplr::{name}"] for name in PER_TOKEN_OPS]
     saved_fns = [opdef._backend_fns[None] for opdef in opdefs]
+    direct_kernels = [direct_call._DIRECT_KERNELS[f"dplr::{name}"] for name in PER_TOKEN_OPS
+                      if f"dplr::{name}" in direct_call._DIRECT_KERNELS]
     try:
         os.environ["TRITON_INTERPRET"] = "1"
         kernel_module.recurrent_fwd_kernel = _NoLaunchKernel()
         for opdef in opdefs:  # the device-less kernel is the one CPU tensors dispatch to
             opdef._backend_fns[None] = opdef._backend_fns["cuda"]
+        for direct in direct_kernels:
+            direct["cpu"] = direct["cuda"]
         yield
     finally:
+        for direct in direct_kernels:
+            direct.pop("cpu", None)
         for opdef, fn in zip(opdefs, saved_fns):
             opdef._backend_fns[None] = fn
         kernel_module.recurrent_fwd_kernel = saved_kernel
@@ -316,5 +349,7 @@ if __name__ == "__main__":
         schema_main()
     elif sys.argv[1:2] == ["eager"]:
         eager_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["direct"]:
+        direct_main(sys.argv[2:])
     else:
         main(sys.argv[1:])

@@ -199,10 +199,13 @@ def cuda_op_bodies_on_cpu(kernel_for, sm_count=lambda: 132):
     (standing in for ``ops.kernels.kernel_for``: e.g. a launch that checks its arguments, or one
     that does nothing) and the GPU has ``sm_count()`` SMs.  The launch path's host code, on a
     machine without a GPU (tests/test_launch_args.py, tools/host_sim.py).  Which configurations
-    take the kernels is decided as on the GPU."""
+    take the kernels is decided as on the GPU, and the calls that skip the dispatcher on a GPU
+    skip it here too (``ops.direct_call``: the CUDA functions are the CPU's direct kernels)."""
     import importlib
 
     from torch._library.custom_ops import OPDEFS
+
+    from .ops import direct_call
 
     mods = {name: importlib.import_module(f"torch_dplr.ops.{name}")
             for name in ("intra", "wy", "state", "fused", "tilelang_path")}
@@ -212,13 +215,18 @@ def cuda_op_bodies_on_cpu(kernel_for, sm_count=lambda: 132):
         patches += [(mods[m], "device_index", lambda device: 0),
                     (mods[m], "sm_count", lambda index: sm_count())]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    direct = [direct_call._DIRECT_KERNELS[f"dplr::{op}"] for op in CUDA_BODY_OPS]
     try:
         for module, name, value in patches:
             setattr(module, name, value)
+        for kernels in direct:
+            kernels["cpu"] = kernels["cuda"]
         with torch.library._scoped_library("dplr", "IMPL") as lib:
             for op in CUDA_BODY_OPS:
                 lib.impl(op, OPDEFS[f"dplr::{op}"]._backend_fns["cuda"], "CPU")
             yield
     finally:
+        for kernels in direct:
+            kernels.pop("cpu", None)
         for module, name, original in saved:
             setattr(module, name, original)

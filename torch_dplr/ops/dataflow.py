@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .chunked import without_autocast
-from .direct_call import register_autograd
+from .direct_call import call_op, register_autograd, register_kernel
 from .intra import (chunk_intra_bwd_cuda, chunk_intra_bwd_reference, chunk_intra_fwd_cuda,
                     chunk_intra_fwd_reference)
 from .shapes import (allocate, chunk_bwd_shapes, chunk_fwd_shapes, num_sequences,
@@ -164,7 +164,7 @@ FORWARD_STAGES = 3
 BACKWARD_STAGES = 1
 
 
-@chunk_fwd.register_kernel("cuda")
+@register_kernel(chunk_fwd, "cuda")
 @without_autocast
 def chunk_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size,
                    lower_bound, use_initial_state, tables=None):
@@ -209,7 +209,7 @@ def _(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale, chun
                     q.device)
 
 
-@chunk_bwd.register_kernel("cuda")
+@register_kernel(chunk_bwd, "cuda")
 @without_autocast
 def chunk_bwd_cuda(q, k, v, a, b, gk, initial_state, states, cu_seqlens, do, dht, scale,
                    chunk_size, lower_bound, use_initial_state, use_dht, tables=None):
@@ -258,9 +258,9 @@ def _backward(ctx, do, dht, dstates_unused):
     use_dht = dht is not None
     if dht is None:
         dht = q.new_zeros(0, dtype=states.dtype)
-    *grads, dh0 = torch.ops.dplr.chunk_bwd(q, k, v, a, b, gk, initial_state, states,
-                                           cu_seqlens, do, dht, scale, chunk_size,
-                                           lower_bound, use_initial_state, use_dht, tables)
+    *grads, dh0 = call_op(torch.ops.dplr.chunk_bwd, q, k, v, a, b, gk, initial_state, states,
+                          cu_seqlens, do, dht, scale, chunk_size, lower_bound, use_initial_state,
+                          use_dht, tables)
     return (*grads, dh0 if use_initial_state else None, None, None, None, None, None, None)
 
 

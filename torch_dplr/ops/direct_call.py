@@ -6,6 +6,14 @@ training step is host-bound on small grids, so the chunked entries call their op
 too: with a gradient to build, an op registered with :func:`register_autograd` then records
 its formula as a plain ``autograd.Function`` instead of entering PyTorch's custom-op autograd
 kernel.
+
+Below autograd, a call that nothing but the op's own kernel could see (no dispatch or
+torch-function mode, no tensor subclass, not while compiling or under a functorch transform)
+runs the kernel registered with :func:`register_kernel` for its inputs' device as a plain
+function call: the dispatcher's redispatch and the custom op's Python wrappers around the body
+(``torch._disable_dynamo`` among them) cost a fifth of an eager stage-pass step's host time
+(``python tools/host_sim.py direct``).  Devices without such a kernel (the CPU, where tests
+count or replace kernels through ``torch.library``) always go through the dispatcher.
 """
 from typing import Callable
 
@@ -15,6 +23,48 @@ from torch import Tensor
 
 # qualified op name -> Function.apply of the op's own formula (see _eager_node)
 _EAGER_NODES: dict[str, Callable] = {}
+# qualified op name -> {device type: the op's kernel for it} (see register_kernel)
+_DIRECT_KERNELS: dict[str, dict[str, Callable]] = {}
+
+
+def register_kernel(op, device_type: str):
+    """``op.register_kernel(device_type)`` for a ``torch.library.custom_op`` ``op``, recording
+    the kernel for the calls that skip the dispatcher (:func:`_direct_kernel`); a decorator
+    that returns the function unchanged."""
+    def register(fn):
+        op.register_kernel(device_type)(fn)
+        _DIRECT_KERNELS.setdefault(op._qualname, {})[device_type] = fn
+        return fn
+    return register
+
+
+def _direct_kernel(qualname: str, args: tuple) -> Callable | None:
+    """The kernel a call below autograd would reach, when nothing else could see the call: no
+    dispatch or torch-function mode active and only plain tensors (a subclass dispatches
+    through its own ``__torch_dispatch__``); None otherwise, or when the device of the first
+    tensor argument has no recorded kernel."""
+    kernels = _DIRECT_KERNELS.get(qualname)
+    if (kernels is None or torch._C._len_torch_dispatch_stack()
+            or torch._C._len_torch_function_stack()):
+        return None
+    device_type = None
+    for arg in args:
+        if isinstance(arg, Tensor):
+            if type(arg) is not Tensor and type(arg) is not torch.nn.Parameter:
+                return None
+            if device_type is None:
+                device_type = arg.device.type
+    return kernels.get(device_type)
+
+
+def _below_autograd(overload, qualname: str, args: tuple):
+    """``overload(*args)`` below autograd: the kernel straight where :func:`_direct_kernel`
+    finds one, else through the dispatcher."""
+    kernel = _direct_kernel(qualname, args)
+    if kernel is not None:
+        return kernel(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return overload(*args)
 
 
 def _eager_node(overload, backward, setup_context) -> Callable:
@@ -25,9 +75,10 @@ def _eager_node(overload, backward, setup_context) -> Callable:
     the arity, a redispatch): about a sixth of an eager stage-pass step's host time, bare or
     under ``save_state`` (``python tools/host_sim.py eager``).  A second derivative raises,
     as it does through the op, whose backward ops have no formula."""
+    qualname = overload._schema.name
+
     def forward(ctx, *args):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = overload(*args)
+        output = _below_autograd(overload, qualname, args)
         setup_context(ctx, args, output)
         return output
 
@@ -37,7 +88,7 @@ def _eager_node(overload, backward, setup_context) -> Callable:
             return tuple(backward(ctx, *grads))
 
     # named after the op: its grad_fn reads dplr_<op>Backward
-    name = overload._schema.name.replace("::", "_")
+    name = qualname.replace("::", "_")
     node = type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(forward),
                  "backward": staticmethod(backward_below_autograd)})
@@ -81,12 +132,15 @@ def call_op(op, *args, mutated: Tensor | None = None):
     op's own autograd layer runs."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return op(*args)
+    qualname = getattr(op, "_qualified_op_name", None)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        node = _EAGER_NODES.get(getattr(op, "_qualified_op_name", None))
+        node = _EAGER_NODES.get(qualname)
         if node is None or mutated is not None or not _only_checkpoint_modes():
             return op(*args)
         return node(*args)
-    if mutated is None or mutated.is_inference():
+    if mutated is None:
+        return _below_autograd(op, qualname, args)
+    if mutated.is_inference():
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
     torch.autograd.graph.increment_version(mutated)

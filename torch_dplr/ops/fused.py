@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .chunked import without_autocast
+from .direct_call import register_kernel
 from .intra import chunk_intra_fwd_cuda, chunk_intra_fwd_reference
 from .kernels import kernel_for, pipeline
 from .shapes import allocate, fused_fwd_shapes, num_sequences
@@ -95,7 +96,7 @@ def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bou
     return allocate(fused_fwd_shapes(q, v, cu_seqlens), q.device)
 
 
-@chunk_fwd_fused.register_kernel("cuda")
+@register_kernel(chunk_fwd_fused, "cuda")
 @without_autocast
 def _(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, chunk_size, lower_bound,
       use_initial_state, tables=None):

@@ -15,7 +15,7 @@ import torch
 
 from ..reference import intra as ref
 from .chunked import ChunkedView, without_autocast
-from .direct_call import register_autograd
+from .direct_call import call_op, register_autograd, register_kernel
 from .shapes import allocate, intra_bwd_shapes, intra_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for, pipeline
 from .tilelang_path import kernels_apply
@@ -69,7 +69,7 @@ def _kernels(op: str, q: Tensor, gk: Tensor, chunk_size: int, lower_bound: float
     return (kernel, exact) if exact is not None else (None, None)
 
 
-@chunk_intra_fwd.register_kernel("cuda")
+@register_kernel(chunk_intra_fwd, "cuda")
 @without_autocast
 def chunk_intra_fwd_cuda(q, k, a, b, gk, cu_seqlens, scale, chunk_size, lower_bound, tables=None):
     B, T, _, K = q.shape
@@ -112,7 +112,7 @@ def _(q, k, a, b, gk, cu_seqlens, *rest):
     return allocate(intra_bwd_shapes(q, k, a, b, gk), q.device)
 
 
-@chunk_intra_bwd.register_kernel("cuda")
+@register_kernel(chunk_intra_bwd, "cuda")
 @without_autocast
 def chunk_intra_bwd_cuda(q, k, a, b, gk, cu_seqlens, gl, dgl, dA_qk, dA_qb, dA_ak, dA_ab, dqg,
                          dkg, dag, dbg, scale, chunk_size, lower_bound, tables=None):
@@ -145,8 +145,8 @@ def _backward(ctx, *grads):
     scale, chunk_size, lower_bound = ctx.config
     specs = intra_fwd_shapes(q, gk, cu_seqlens, chunk_size)
     grads = zeros_for_missing(grads, specs, q.device)
-    dq, dk, da, db, dgk = torch.ops.dplr.chunk_intra_bwd(
-        q, k, a, b, gk, cu_seqlens, gl, *grads, scale, chunk_size, lower_bound, tables)
+    dq, dk, da, db, dgk = call_op(torch.ops.dplr.chunk_intra_bwd, q, k, a, b, gk, cu_seqlens,
+                                  gl, *grads, scale, chunk_size, lower_bound, tables)
     return dq, dk, da, db, dgk, None, None, None, None, None
 
 

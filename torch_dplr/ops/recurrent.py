@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..reference import recurrent as ref
 from .chunked import SequenceView, start_state, without_autocast
-from .direct_call import register_autograd
+from .direct_call import call_op, register_autograd, register_kernel
 from .shapes import (allocate, num_sequences, recurrent_bwd_shapes, recurrent_fwd_shapes,
                      zeros_for_missing)
 from .triton_path import SWEEP_CHUNK, per_token_kernel_applies, sweep_kernels_apply
@@ -92,7 +92,7 @@ def _state_ok(initial_state, use_initial_state) -> bool:
     return not use_initial_state or initial_state.dtype == torch.float32
 
 
-@recurrent_fwd.register_kernel("cuda")
+@register_kernel(recurrent_fwd, "cuda")
 @without_autocast
 def recurrent_fwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, scale, use_initial_state,
                        reverse, rwkv7_pair=False):
@@ -164,7 +164,7 @@ def recurrent_bwd_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tenso
 recurrent_bwd = torch.library.custom_op("dplr::recurrent_bwd", mutates_args=())(recurrent_bwd_reference)
 
 
-@recurrent_bwd.register_kernel("cuda")
+@register_kernel(recurrent_bwd, "cuda")
 @without_autocast
 def recurrent_bwd_cuda(q, k, v, a, b, gk, initial_state, cu_seqlens, do, dht, scale,
                        use_initial_state, use_dht, reverse):
@@ -214,9 +214,9 @@ def _backward(ctx, do, dht):
     if dht is None:
         dht = q.new_zeros(0, dtype=torch.float32)
     a_pair, b_pair = dplr_pair(a, b, rwkv7_pair)
-    dq, dk, dv, da, db, dgk, dh0 = torch.ops.dplr.recurrent_bwd(
-        q, k, v, a_pair, b_pair, gk, initial_state, cu_seqlens, do, dht, scale,
-        use_initial_state, use_dht, reverse)
+    dq, dk, dv, da, db, dgk, dh0 = call_op(
+        torch.ops.dplr.recurrent_bwd, q, k, v, a_pair, b_pair, gk, initial_state, cu_seqlens,
+        do, dht, scale, use_initial_state, use_dht, reverse)
     if rwkv7_pair:  # through a_pair = -kk, b_pair = kk·a (a holds kk, b RWKV-7's a)
         wide = torch.promote_types(a.dtype, torch.float32)
         da, db, kk, rate = da.to(wide), db.to(wide), a.to(wide), b.to(wide)

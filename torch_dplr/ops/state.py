@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..reference import state as ref
 from .chunked import ChunkedView, start_state, without_autocast
-from .direct_call import register_autograd
+from .direct_call import call_op, register_autograd, register_kernel
 from .shapes import allocate, num_sequences, state_bwd_shapes, state_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
 from .tilelang_path import MAX_GRID_YZ, device_index, kernels_apply, sm_count
@@ -83,7 +83,7 @@ def _(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens, chunk_size
     return allocate(state_fwd_shapes(qg, v, gl, cu_seqlens, keep_activations), v.device)
 
 
-@chunk_state_fwd.register_kernel("cuda")
+@register_kernel(chunk_state_fwd, "cuda")
 @without_autocast
 def chunk_state_fwd_cuda(qg, kg, bg, w, u, v, A_qk, A_qb, gl, initial_state, cu_seqlens,
                          chunk_size, use_initial_state, keep_activations, tables=None):
@@ -142,7 +142,7 @@ def _(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state, cu_seq
                                      use_initial_state), v.device)
 
 
-@chunk_state_bwd.register_kernel("cuda")
+@register_kernel(chunk_state_bwd, "cuda")
 @without_autocast
 def chunk_state_bwd_cuda(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht, initial_state,
                          cu_seqlens, chunk_size, use_initial_state, use_dht, tables=None):
@@ -202,9 +202,9 @@ def _backward(ctx, do, dht, dh_unused, dv_new_unused):
     use_dht = dht is not None
     if dht is None:
         dht = gl.new_zeros(0)
-    grads = torch.ops.dplr.chunk_state_bwd(qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new, do, dht,
-                                           initial_state, cu_seqlens, chunk_size,
-                                           use_initial_state, use_dht, tables)
+    grads = call_op(torch.ops.dplr.chunk_state_bwd, qg, kg, bg, w, v, A_qk, A_qb, gl, h, v_new,
+                    do, dht, initial_state, cu_seqlens, chunk_size, use_initial_state, use_dht,
+                    tables)
     dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 = grads
     return (dqg, dkg, dbg, dw, du, dv, dA_qk, dA_qb, dgl, dh0 if use_initial_state else None,
             None, None, None, None, None)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..reference import wy as ref
 from .chunked import ChunkedView, without_autocast
-from .direct_call import register_autograd
+from .direct_call import call_op, register_autograd, register_kernel
 from .shapes import acc_dtype, allocate, wy_bwd_shapes, wy_fwd_shapes, zeros_for_missing
 from .kernels import kernel_for
 from .tilelang_path import kernels_apply
@@ -38,7 +38,7 @@ def _(A_ab, A_ak, ag, v, cu_seqlens, chunk_size, tables=None):
     return allocate(wy_fwd_shapes(A_ab, ag, v), v.device)
 
 
-@chunk_wy_fwd.register_kernel("cuda")
+@register_kernel(chunk_wy_fwd, "cuda")
 @without_autocast
 def chunk_wy_fwd_cuda(A_ab, A_ak, ag, v, cu_seqlens, chunk_size, tables=None):
     B, T, _, K = ag.shape
@@ -73,7 +73,7 @@ def _(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size, tables=None):
     return allocate(wy_bwd_shapes(A_ab_inv, A_ak, ag, v), v.device)
 
 
-@chunk_wy_bwd.register_kernel("cuda")
+@register_kernel(chunk_wy_bwd, "cuda")
 @without_autocast
 def chunk_wy_bwd_cuda(A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, chunk_size, tables=None):
     B, T, _, K = ag.shape
@@ -101,8 +101,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dA_ab_inv, dw, du):
     A_ab_inv, A_ak, ag, v, cu_seqlens, tables = ctx.saved_tensors
     dw, du = zeros_for_missing((dw, du), wy_fwd_shapes(A_ab_inv, ag, v)[1:], v.device)
-    dA_ab, dA_ak, dag, dv = torch.ops.dplr.chunk_wy_bwd(
-        A_ab_inv, A_ak, ag, v, dw, du, cu_seqlens, ctx.chunk_size, tables)
+    dA_ab, dA_ak, dag, dv = call_op(torch.ops.dplr.chunk_wy_bwd, A_ab_inv, A_ak, ag, v, dw, du,
+                                    cu_seqlens, ctx.chunk_size, tables)
     return dA_ab, dA_ak, dag, dv, None, None, None
 
 
