@@ -158,10 +158,11 @@ def eager_main(argv):
 
 
 def direct_main(argv):
-    """The same steps with the op kernels called straight (``torch_dplr.ops.direct_call``)
-    against through the dispatcher below autograd, in one process."""
+    """The training steps and the B1 D64 decode calls with the op kernels called straight
+    (``torch_dplr.ops.direct_call``) against through the dispatcher below autograd, in one
+    process, alternating."""
     B, T, H, D, C = _shape(argv)
-    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
+    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch), per_token_bodies_on_cpu():
         kernels = {name: dict(per) for name, per in direct_call._DIRECT_KERNELS.items()}
 
         def dispatched():
@@ -171,10 +172,14 @@ def direct_main(argv):
         def direct():
             for name, per in kernels.items():
                 direct_call._DIRECT_KERNELS[name].update(per)
-        variants = {"direct": direct, "dispatched": dispatched}
+        steps = _training_steps(B, T, H, D, C)
+        decode = decode_steps(decode_inputs(1, 1, 32, 64))
+        steps.update({f"decode_{name}": decode[name]
+                      for name in ("fused_recurrent_rwkv7", "rwkv7_decode")})
         try:
             result = {"shape": [B, T, H, D], "chunk": C, "training_pass": training_pass(),
-                      **_alternating(variants, _training_steps(B, T, H, D, C))}
+                      "decode_shape": [1, 1, 32, 64],
+                      **_alternating({"direct": direct, "dispatched": dispatched}, steps)}
         finally:
             direct()
     print(json.dumps(result))

@@ -29,6 +29,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from .direct_call import register_kernel
 from .recurrent import per_token_kernel, sequence_offsets, token_tensors
 from .triton_path import per_token_kernel_applies
 
@@ -130,7 +131,7 @@ def _(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens, scale):
     return _allocate(decode_pool_shapes(q, v), q.device)[0]
 
 
-@decode_pool.register_kernel("cuda")
+@register_kernel(decode_pool, "cuda")
 def decode_pool_cuda(q, k, v, a, b, gk, state_pool, slot_indices, cu_seqlens, scale):
     """``csrc_triton.recurrent`` reads each request's state from its pool row and writes the
     new state back into it (no gather, no scatter, no host sync); calls it does not take
