@@ -108,3 +108,44 @@ def test_direct_calls_step_aside(context):
             assert not counts
     for got, want in zip(aside, plain):
         assert torch.equal(got, want)
+
+
+# ---- an op of this file, to see which path call_op takes -------------------------------------
+
+@torch.library.custom_op("torch_dplr_test::add_into", mutates_args=("out",))
+def _add_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    out.add_(x)
+    return x * 2
+
+
+OP = torch.ops.torch_dplr_test.add_into
+_calls = Counter()
+
+
+def _kernel_counted_as(path):
+    def kernel(x, out):
+        _calls[path] += 1
+        out.add_(x)
+        return x * 2
+    return kernel
+
+
+# recorded for direct calls, then replaced in the dispatcher by a kernel that counts apart
+direct_call.register_kernel(_add_into, "cpu")(_kernel_counted_as("direct"))
+_add_into.register_kernel("cpu")(_kernel_counted_as("dispatched"))
+
+
+@pytest.mark.parametrize("mutating", [False, True])
+def test_call_op_runs_the_recorded_kernel_and_still_bumps_versions(mutating):
+    x, out = torch.randn(4), torch.zeros(4)
+    before = out._version
+    _calls.clear()
+    with torch.no_grad():
+        y = direct_call.call_op(OP, x, out, mutated=out if mutating else None)
+    assert _calls == Counter(direct=1) and torch.equal(y, x * 2) and torch.equal(out, x)
+    assert out._version == before + 1  # once, as through the dispatcher
+    _calls.clear()
+    with _PassThrough(), torch.no_grad():
+        direct_call.call_op(OP, x, out, mutated=out if mutating else None)
+    assert _calls == Counter(dispatched=1)
+    assert out._version == before + 2

@@ -60,12 +60,11 @@ def _direct_kernel(qualname: str, args: tuple) -> Callable | None:
 
 def _below_autograd(overload, qualname: str, args: tuple):
     """``overload(*args)`` below autograd: the kernel straight where :func:`_direct_kernel`
-    finds one, else through the dispatcher."""
-    kernel = _direct_kernel(qualname, args)
-    if kernel is not None:
-        return kernel(*args)
+    finds one (with the dispatch keys excluded as the dispatcher would), else through the
+    dispatcher."""
+    kernel = _direct_kernel(qualname, args) or overload
     with torch._C._AutoDispatchBelowAutograd():
-        return overload(*args)
+        return kernel(*args)
 
 
 def _eager_node(overload, backward, setup_context) -> Callable:
@@ -146,8 +145,6 @@ def call_op(op, *args, mutated: Tensor | None = None):
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
     torch.autograd.graph.increment_version(mutated)
-    kernel = _direct_kernel(qualname, args)
-    if kernel is not None:
-        return kernel(*args)
+    kernel = _direct_kernel(qualname, args) or op
     with torch._C._AutoDispatchBelowADInplaceOrView():
-        return op(*args)
+        return kernel(*args)
