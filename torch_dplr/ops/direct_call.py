@@ -26,6 +26,7 @@ from torch import Tensor
 _EAGER_NODES: dict[str, Callable] = {}
 # qualified op name -> {device type: the op's kernel for it} (see register_kernel)
 _DIRECT_KERNELS: dict[str, dict[str, Callable]] = {}
+_Parameter = torch.nn.Parameter
 
 
 def register_kernel(op, device_type: str):
@@ -50,11 +51,12 @@ def _direct_kernel(qualname: str, args: tuple) -> Callable | None:
         return None
     device_type = None
     for arg in args:
-        if isinstance(arg, Tensor):
-            if type(arg) is not Tensor and type(arg) is not torch.nn.Parameter:
-                return None
+        kind = type(arg)
+        if kind is Tensor or kind is _Parameter:
             if device_type is None:
                 device_type = arg.device.type
+        elif isinstance(arg, Tensor):
+            return None
     return kernels.get(device_type)
 
 
