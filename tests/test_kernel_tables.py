@@ -61,20 +61,6 @@ def test_packed_tables_of_another_layout_are_refused():
         tables_for(packed.long(), torch.empty(0, dtype=torch.int64), 2, 100, 64, "cpu")
 
 
-def test_a_split_is_reused_only_for_the_same_call():
-    """tables_for keeps its last split: the same packed tensor with the same layout gets the
-    same views back, and a call naming another layout with it is still refused."""
-    empty = torch.empty(0, dtype=torch.int64)
-    packed = packed_tables(empty, 2, 100, 64, "cpu")
-    first = tables_for(packed, empty, 2, 100, 64, "cpu")
-    assert tables_for(packed, empty, 2, 100, 64, "cpu") is first
-    with pytest.raises(ValueError, match="tables"):
-        tables_for(packed, empty, 2, 100, 32, "cpu")
-    other = packed.clone()
-    again = tables_for(other, empty, 2, 100, 64, "cpu")
-    assert again is not first and again.chunk_start.data_ptr() >= other.data_ptr()
-
-
 def test_each_call_gets_tables_of_its_own():
     """Rect tables come from a host copy kept per shape: a call's tensor is a copy of it, so a
     caller writing into one call's tables does not change the next call's; another shape gets
