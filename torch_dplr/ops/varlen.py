@@ -142,29 +142,18 @@ def _(cu_seqlens, batch_size, seq_len, chunk_size):
     return cu_seqlens.new_empty(size, dtype=torch.int32)
 
 
-# the arguments and result of the last tables_for call that split a packed tensor: the op
-# bodies of one chunked call split the same one, six times a training step
-_last_split: tuple = (None,) * 6
-
-
 def tables_for(tables: torch.Tensor | None, cu_seqlens: torch.Tensor, B: int, T: int,
                chunk_size: int, device: torch.device) -> KernelTables:
     """The tables of an op call: views of the packed ``tables`` its caller built once for the
     whole call (``dplr::chunk_tables``), or built here when it is None (a direct op call)."""
-    global _last_split
     if tables is None:
         return kernel_tables(cu_seqlens, B, T, chunk_size, device)
-    last = _last_split
-    if last[0] is tables and last[1] is cu_seqlens and last[2:5] == (B, T, chunk_size):
-        return last[5]
     sizes = packed_sizes(cu_seqlens, B, T, chunk_size)
     if tables.dtype != torch.int32 or tables.shape != (sum(sizes),):
         raise ValueError(f"tables: expected int32 [{sum(sizes)}] for {sizes[0] - 1} sequence(s) "
                          f"of chunk size {chunk_size}, got {tables.dtype} {list(tables.shape)} "
                          "(build it with dplr::chunk_tables)")
-    split = _unpack(tables, sizes)
-    _last_split = (tables, cu_seqlens, B, T, chunk_size, split)
-    return split
+    return _unpack(tables, sizes)
 
 
 def as_one_sequence_list(x: torch.Tensor) -> torch.Tensor:
