@@ -2,9 +2,10 @@
 
 Prints three JSON objects: the whole steps (no-grad forward, forward+backward, and the same
 under the ``save_state`` checkpoint policy: host time of the launches and wall time); for each
-``dplr`` op of a training step, its host time through the dispatcher (no grad) and with its
-CUDA kernel function called directly, and each TileLang launch alone with the arguments the
-op passed it; and the cost of one CUDA ``torch.empty``, ``view`` and ``zero_``. Each record
+``dplr`` op of a training step, its host time through the dispatcher (no grad), through
+``call_op`` as the library calls it (its kernel straight where ``direct_call`` finds one) and
+with the custom op's CUDA function called directly, and each TileLang launch alone with the
+arguments the op passed it; and the cost of one CUDA ``torch.empty``, ``view`` and ``zero_``. Each record
 names its probe, the shape, chunk size and training pass, the card and the commit.
 Usage: python tools/host_probe.py [B T H D chunk]   (default: the small grid 2 4096 8 64 64)
 """
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import torch_dplr
 from torch_dplr import policies
 from torch_dplr.ops.dataflow import training_pass
+from torch_dplr.ops.direct_call import call_op
 from torch_dplr.ops import fused, intra, state, wy
 from torch_dplr.testing import RWKV7_BOUND
 from benchmarks.cells import Shape
@@ -144,7 +146,9 @@ def main():
         for func, args, kwargs in recorder.calls:
             opdef = OPDEFS[func._schema.name]
             body = opdef._backend_fns.get("cuda") or opdef._init_fn  # no CUDA kernel: the one kernel
+            packet = func.overloadpacket
             rows[func._schema.name] = dict(dispatch_us=host_us(lambda: func(*args, **kwargs)),
+                                           call_op_us=host_us(lambda: call_op(packet, *args)),
                                            body_us=host_us(lambda: body(*args, **kwargs)))
     for op, (kernel, args) in launches.items():
         rows["launch:" + op] = dict(launch_us=host_us(lambda: kernel(*args)), nargs=len(args))
