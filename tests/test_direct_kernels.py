@@ -41,20 +41,22 @@ class _Marked(torch.Tensor):
 def _counted_direct_calls(counts: Counter):
     """Inside: the CUDA functions run on CPU tensors (references in place of the launches),
     each direct call of one counted."""
-    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: None):
-        for op in CUDA_BODY_OPS:
-            kernels = direct_call._DIRECT_KERNELS[f"dplr::{op}"]
+    def counting(op):
+        kernel = direct_call.direct_kernel(f"dplr::{op}", "cpu")
 
-            def counting(*args, op=op, kernel=kernels["cpu"]):
-                counts[op] += 1
-                return kernel(*args)
-            kernels["cpu"] = counting
-        yield
+        def run(*args):
+            counts[op] += 1
+            return kernel(*args)
+        return run
+    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: None):
+        with direct_call.direct_kernels("cpu", {f"dplr::{op}": counting(op)
+                                                for op in CUDA_BODY_OPS}):
+            yield
 
 
 def _dispatched_only():
     for op in CUDA_BODY_OPS:
-        direct_call._DIRECT_KERNELS[f"dplr::{op}"].pop("cpu", None)
+        direct_call.set_direct_kernel(f"dplr::{op}", "cpu", None)
 
 
 def _step(x, wrap=lambda t: t):
@@ -149,3 +151,16 @@ def test_call_op_runs_the_recorded_kernel_and_still_bumps_versions(mutating):
         direct_call.call_op(OP, x, out, mutated=out if mutating else None)
     assert _calls == Counter(dispatched=1)
     assert out._version == before + 2
+
+
+def test_stand_in_kernels_are_restored_on_exit():
+    """``direct_kernels`` puts back what was recorded before, so the stand-ins nest."""
+    name = "dplr::chunk_state_fwd"
+    assert direct_call.direct_kernel(name, "cpu") is None
+    with cuda_op_bodies_on_cpu(lambda *args, **kwargs: None):
+        outer = direct_call.direct_kernel(name, "cpu")
+        assert outer is direct_call.direct_kernel(name, "cuda")
+        with direct_call.direct_kernels("cpu", {name: print}):
+            assert direct_call.direct_kernel(name, "cpu") is print
+        assert direct_call.direct_kernel(name, "cpu") is outer
+    assert direct_call.direct_kernel(name, "cpu") is None

@@ -62,7 +62,7 @@ def _register_cpu(lib, bodies: dict) -> None:
         warnings.simplefilter("ignore")
         for name, body in bodies.items():
             lib.impl(name, body, "CPU", allow_override=True)
-            direct_call._DIRECT_KERNELS[f"dplr::{name}"]["cpu"] = body
+            direct_call.set_direct_kernel(f"dplr::{name}", "cpu", body)
 
 
 def _allocating_only(name: str, body):
@@ -129,8 +129,7 @@ def _shape(argv) -> tuple:
 
 def main(argv):
     B, T, H, D, C = _shape(argv)
-    cuda_bodies = {name: direct_call._DIRECT_KERNELS[f"dplr::{name}"]["cuda"]
-                   for name in STAGE_OPS}
+    cuda_bodies = {name: direct_call.direct_kernel(f"dplr::{name}", "cuda") for name in STAGE_OPS}
     empty = {name: _allocating_only(name, body) for name, body in cuda_bodies.items()}
     with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch):
         lib = torch.library.Library("dplr", "IMPL")  # swaps the bodies of the two variants
@@ -163,25 +162,24 @@ def direct_main(argv):
     process, alternating."""
     B, T, H, D, C = _shape(argv)
     with cuda_op_bodies_on_cpu(lambda *args, **kwargs: _no_launch), per_token_bodies_on_cpu():
-        kernels = {name: dict(per) for name, per in direct_call._DIRECT_KERNELS.items()}
+        names = [f"dplr::{name}" for name in STAGE_OPS + PER_TOKEN_OPS]
+        kernels = {name: direct_call.direct_kernel(name, "cpu") for name in names}
 
         def dispatched():
-            for per in direct_call._DIRECT_KERNELS.values():
-                per.pop("cpu", None)
+            for name in names:
+                direct_call.set_direct_kernel(name, "cpu", None)
 
         def direct():
-            for name, per in kernels.items():
-                direct_call._DIRECT_KERNELS[name].update(per)
+            for name, fn in kernels.items():
+                direct_call.set_direct_kernel(name, "cpu", fn)
         steps = _training_steps(B, T, H, D, C)
         decode = decode_steps(decode_inputs(1, 1, 32, 64))
         steps.update({f"decode_{name}": decode[name]
                       for name in ("fused_recurrent_rwkv7", "rwkv7_decode")})
-        try:
-            result = {"shape": [B, T, H, D], "chunk": C, "training_pass": training_pass(),
-                      "decode_shape": [1, 1, 32, 64],
-                      **_alternating({"direct": direct, "dispatched": dispatched}, steps)}
-        finally:
-            direct()
+        # (the two contexts restore the recorded kernels on exit)
+        result = {"shape": [B, T, H, D], "chunk": C, "training_pass": training_pass(),
+                  "decode_shape": [1, 1, 32, 64],
+                  **_alternating({"direct": direct, "dispatched": dispatched}, steps)}
     print(json.dumps(result))
 
 
@@ -210,19 +208,17 @@ def per_token_bodies_on_cpu():
     saved_kernel = kernel_module.recurrent_fwd_kernel
     opdefs = [OPDEFS[f"dplr::{name}"] for name in PER_TOKEN_OPS]
     saved_fns = [opdef._backend_fns[None] for opdef in opdefs]
-    direct_kernels = [direct_call._DIRECT_KERNELS[f"dplr::{name}"] for name in PER_TOKEN_OPS
-                      if f"dplr::{name}" in direct_call._DIRECT_KERNELS]
+    names = [f"dplr::{name}" for name in PER_TOKEN_OPS]
+    direct = direct_call.direct_kernels(
+        "cpu", {name: direct_call.direct_kernel(name, "cuda") for name in names})
     try:
         os.environ["TRITON_INTERPRET"] = "1"
         kernel_module.recurrent_fwd_kernel = _NoLaunchKernel()
         for opdef in opdefs:  # the device-less kernel is the one CPU tensors dispatch to
             opdef._backend_fns[None] = opdef._backend_fns["cuda"]
-        for direct in direct_kernels:
-            direct["cpu"] = direct["cuda"]
-        yield
+        with direct:
+            yield
     finally:
-        for direct in direct_kernels:
-            direct.pop("cpu", None)
         for opdef, fn in zip(opdefs, saved_fns):
             opdef._backend_fns[None] = fn
         kernel_module.recurrent_fwd_kernel = saved_kernel

@@ -215,18 +215,16 @@ def cuda_op_bodies_on_cpu(kernel_for, sm_count=lambda: 132):
         patches += [(mods[m], "device_index", lambda device: 0),
                     (mods[m], "sm_count", lambda index: sm_count())]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    direct = [direct_call._DIRECT_KERNELS[f"dplr::{op}"] for op in CUDA_BODY_OPS]
+    names = [f"dplr::{op}" for op in CUDA_BODY_OPS]
+    direct = {name: direct_call.direct_kernel(name, "cuda") for name in names}
     try:
         for module, name, value in patches:
             setattr(module, name, value)
-        for kernels in direct:
-            kernels["cpu"] = kernels["cuda"]
-        with torch.library._scoped_library("dplr", "IMPL") as lib:
-            for op in CUDA_BODY_OPS:
-                lib.impl(op, OPDEFS[f"dplr::{op}"]._backend_fns["cuda"], "CPU")
+        with torch.library._scoped_library("dplr", "IMPL") as lib, \
+                direct_call.direct_kernels("cpu", direct):
+            for name in names:
+                lib.impl(name.split("::")[1], OPDEFS[name]._backend_fns["cuda"], "CPU")
             yield
     finally:
-        for kernels in direct:
-            kernels.pop("cpu", None)
         for module, name, original in saved:
             setattr(module, name, original)

@@ -16,6 +16,7 @@ a quarter of a decode call's (``python tools/host_sim.py direct``).  Devices wit
 such a kernel (the CPU, where tests count or replace kernels through ``torch.library``) always
 go through the dispatcher.
 """
+import contextlib
 from typing import Callable
 
 import torch
@@ -38,6 +39,36 @@ def register_kernel(op, device_type: str):
         _DIRECT_KERNELS.setdefault(op._qualname, {})[device_type] = fn
         return fn
     return register
+
+
+def direct_kernel(qualname: str, device_type: str) -> Callable | None:
+    """The kernel recorded for ``qualname`` (``"dplr::op"``) on ``device_type``, or None."""
+    return _DIRECT_KERNELS.get(qualname, {}).get(device_type)
+
+
+def set_direct_kernel(qualname: str, device_type: str, fn: Callable | None) -> None:
+    """Record ``fn`` as the kernel direct calls of ``qualname`` take on ``device_type`` (None:
+    none, calls go through the dispatcher), leaving what the dispatcher runs as it is: how a
+    machine without the device stands one kernel in for another (``torch_dplr.testing``)."""
+    kernels = _DIRECT_KERNELS.setdefault(qualname, {})
+    if fn is None:
+        kernels.pop(device_type, None)
+    else:
+        kernels[device_type] = fn
+
+
+@contextlib.contextmanager
+def direct_kernels(device_type: str, kernels: dict):
+    """Inside, :func:`set_direct_kernel` for each ``qualname: fn`` of ``kernels``; the kernels
+    recorded before are restored on exit."""
+    saved = {name: direct_kernel(name, device_type) for name in kernels}
+    try:
+        for name, fn in kernels.items():
+            set_direct_kernel(name, device_type, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            set_direct_kernel(name, device_type, fn)
 
 
 def _direct_kernel(qualname: str, args: tuple) -> Callable | None:
